@@ -1,0 +1,1 @@
+"""PyTorch backends: one shared implementation, one small module per device kind."""

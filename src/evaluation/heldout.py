@@ -1,0 +1,67 @@
+"""Held-out loss and exact-match accuracy, measured through the backend protocol."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..data import fixed_batches, generation_prompt
+
+
+@dataclass
+class EvalResult:
+    loss: float | None = None
+    perplexity: float | None = None
+    exact_match: float | None = None
+    samples: int = 0
+    examples: list[dict] | None = None   # a few (reference, prediction) pairs
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def heldout_loss(backend, handle, examples, batch_size: int) -> tuple[float, float]:
+    pad = handle.tokenizer.pad_token_id
+    total, count = backend.evaluate_loss(handle, fixed_batches(examples, batch_size, pad))
+    loss = total / max(count, 1)
+    return loss, math.exp(min(loss, 50.0))
+
+
+def normalize_answer(text: str) -> str:
+    return " ".join(text.strip().split()).lower()
+
+
+def exact_match(backend, handle, records: list[dict], max_new_tokens: int, batch_size: int) -> tuple[float, list[dict]]:
+    """Share of chat records whose greedy answer equals the reference (whitespace and case folded)."""
+    tok = handle.tokenizer
+    stop = sorted({t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int) and t >= 0})
+    pairs = [generation_prompt(tok, r["messages"]) for r in records]
+    hits, shown = 0, []
+    # Shortest prompts together: less left-padding per generation batch.
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        outputs = backend.generate(handle, [pairs[i][0] for i in idx], max_new_tokens, stop)
+        for i, out in zip(idx, outputs):
+            pred = tok.decode(out, skip_special_tokens=True)
+            ref = pairs[i][1]
+            ok = normalize_answer(pred) == normalize_answer(ref)
+            hits += ok
+            if len(shown) < 5:
+                shown.append({"reference": ref, "prediction": pred, "match": bool(ok)})
+    return hits / max(len(pairs), 1), shown
+
+
+def evaluate(backend, handle, data, eval_cfg) -> EvalResult:
+    result = EvalResult()
+    val = data.val[: eval_cfg.max_samples] if eval_cfg.max_samples else data.val
+    records = data.val_records[: len(val)]
+    result.samples = len(val)
+    if not val:
+        return result
+    if eval_cfg.loss:
+        result.loss, result.perplexity = heldout_loss(backend, handle, val, eval_cfg.batch_size)
+    if eval_cfg.exact_match and records and "messages" in records[0]:
+        result.exact_match, result.examples = exact_match(
+            backend, handle, records, eval_cfg.max_new_tokens, eval_cfg.batch_size)
+    return result

@@ -1,0 +1,26 @@
+"""Learning-rate schedules as plain functions of the step: identical on every backend."""
+
+from __future__ import annotations
+
+import math
+
+
+def warmup_steps_for(cfg, total_steps: int) -> int:
+    if cfg.warmup_steps:
+        return min(cfg.warmup_steps, total_steps)
+    return int(cfg.warmup_ratio * total_steps)
+
+
+def learning_rate(cfg, step: int, total_steps: int) -> float:
+    """LR for optimizer update number `step` (0-based) of `total_steps`."""
+    peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    warmup = warmup_steps_for(cfg, total_steps)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if cfg.lr_scheduler == "constant":
+        return peak
+    span = max(total_steps - warmup, 1)
+    progress = min((step - warmup) / span, 1.0)
+    if cfg.lr_scheduler == "linear":
+        return floor + (peak - floor) * (1.0 - progress)
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
