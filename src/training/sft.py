@@ -33,6 +33,7 @@ class RunResult:
     after: EvalResult | None = None
     seconds: float = 0.0
     tokens_per_second: float = 0.0
+    model: object = None          # the trained ModelHandle, for generation or further use in Python
 
 
 def total_steps_for(cfg, batcher: Batcher) -> int:
@@ -105,6 +106,7 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         result.after = evaluate(backend, handle, data, cfg.eval)
         echo(f"after training:  {_describe(result.after)}")
     result.seconds = time.perf_counter() - started
+    result.model = handle
     outputs.write_json_atomic(out / outputs.SUMMARY, _summary(cfg, result, info, rep))
     return result
 

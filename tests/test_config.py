@@ -1,0 +1,120 @@
+"""Config validation: every problem reported at once, with its path; overrides; the CLI's exit code."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from mudpuppy.cli import main
+from mudpuppy.config import apply_override, load_config
+from mudpuppy.errors import ConfigError
+
+from .conftest import REPO
+
+
+def write(tmp_path, data, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def test_quickstart_config_validates():
+    cfg = load_config(REPO / "configs" / "quickstart.yaml")
+    assert cfg.model.base_model == "smollm2-135m-instruct"
+    assert cfg.adapter.type == "lora" and cfg.adapter.target_modules == "all-linear"
+    assert cfg.resolve_path(cfg.data.datasets[0].path).is_file()
+
+
+def test_every_problem_is_reported_at_once_with_its_path(tiny_config, tmp_path):
+    tiny_config["training"]["learning_rate"] = -1
+    tiny_config["training"]["micro_batch_size"] = "eight"
+    tiny_config["adapter"]["rank"] = 8                 # unknown key (it is `r`)
+    tiny_config["colour"] = "blue"                     # unknown top-level key
+    tiny_config["backend"] = "tpu"
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, tiny_config))
+    problems = "\n".join(info.value.problems)
+    assert len(info.value.problems) == 5, problems
+    for path in ("training.learning_rate", "training.micro_batch_size", "adapter.rank", "colour", "backend"):
+        assert f"{path}:" in problems
+    assert "greater than 0" in problems
+    assert "unknown key" in problems
+
+
+def test_missing_dataset_file_named_with_path(tiny_config, tmp_path):
+    tiny_config["data"]["datasets"].append({"path": "nowhere/missing.jsonl"})
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, tiny_config))
+    assert any(p.startswith("data.datasets.1.path: file not found: nowhere/missing.jsonl") for p in info.value.problems)
+
+
+def test_required_sections_missing():
+    with pytest.raises(ConfigError) as info:
+        load_config({"backend": "cpu"})
+    problems = "\n".join(info.value.problems)
+    for key in ("model", "data", "output_dir"):
+        assert f"{key}: required key is missing" in problems
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    path = write(tmp_path, "model:\n  base_model: x\ndata: [unclosed\n")
+    with pytest.raises(ConfigError, match="line 4"):
+        load_config(path)
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    path = write(tmp_path, "model: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_overrides_are_typed_and_reach_lists(tiny_config, tmp_path):
+    path = write(tmp_path, tiny_config)
+    cfg = load_config(path, ["training.max_steps=3", "training.learning_rate=1e-4",
+                             "data.datasets.0.num_samples=5", "adapter.target_modules=[q_proj,v_proj]"])
+    assert cfg.training.max_steps == 3 and cfg.training.learning_rate == 1e-4
+    assert cfg.data.datasets[0].num_samples == 5
+    assert cfg.adapter.target_modules == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("item, message", [
+    ("training.max_steps", "expected KEY=VALUE"),
+    ("data.datasets.7.path=x.jsonl", "out of range"),
+    ("output_dir.sub=1", "is a value, not a section"),
+])
+def test_bad_overrides_are_named(item, message):
+    raw = {"output_dir": "o", "data": {"datasets": [{"path": "a.jsonl"}]}}
+    with pytest.raises(ValueError, match=message):
+        apply_override(raw, item)
+
+
+def test_relative_data_paths_resolve_beside_the_config(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text('{"text": "hi"}\n')
+    path = write(tmp_path, {"model": {"base_model": "m"}, "data": {"datasets": [{"path": "d/train.jsonl"}]},
+                            "output_dir": "out"})
+    cfg = load_config(path)
+    assert cfg.resolve_path("d/train.jsonl") == tmp_path / "d" / "train.jsonl"
+
+
+def test_epochs_default_and_warmup_conflict():
+    base = {"model": {"base_model": "m"}, "data": {"datasets": [{"path": "org/name"}]}, "output_dir": "o"}
+    assert load_config(base).training.epochs == 1.0
+    with pytest.raises(ConfigError, match="warmup_steps or warmup_ratio"):
+        load_config({**base, "training": {"warmup_steps": 3, "warmup_ratio": 0.1}})
+
+
+def test_cli_validate_exit_codes(tiny_config, tmp_path):
+    runner = CliRunner()
+    good = write(tmp_path, tiny_config, "good.yaml")
+    ok = runner.invoke(main, ["validate", str(good)])
+    assert ok.exit_code == 0 and "ok" in ok.output
+    tiny_config["training"]["learning_rate"] = -0.1
+    tiny_config["training"]["optimiser"] = "adamw"
+    bad = write(tmp_path, tiny_config, "bad.yaml")
+    res = runner.invoke(main, ["validate", str(bad)])
+    assert res.exit_code == 2
+    assert "2 problems" in res.output
+    assert "training.learning_rate" in res.output and "training.optimiser" in res.output
+    assert "Traceback" not in res.output
