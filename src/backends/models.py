@@ -1,11 +1,12 @@
 """Resolve `model.base_model` to a local Hugging Face directory both runtimes can load.
 
-Accepted forms, tried in this order:
+Accepted forms (an existing path wins over an alias spelled the same):
 
-1. an alias such as ``smollm2-135m-instruct`` (a GGUF shipped inside a pip package);
-2. a local directory holding ``config.json`` (used as it is);
-3. a local ``.gguf`` file, converted once into ``cache_dir()/models/`` as
+1. a local directory holding ``config.json`` (used as it is);
+2. a local ``.gguf`` file, converted once into ``cache_dir()/models/`` as
    safetensors + config.json + tokenizer files and reused afterwards;
+3. an alias such as ``smollm2-135m-instruct`` (a GGUF shipped inside a pip
+   package), converted like a ``.gguf`` file;
 4. a Hugging Face Hub id (``org/name``), fetched with ``snapshot_download``.
 
 Both transformers and mlx-lm then load the same directory, so the two runtimes
@@ -100,12 +101,12 @@ def resolve_model(
     if not given:
         raise ModelNotFound("model.base_model is empty.\n" + describe_accepted_forms())
 
-    alias = MODEL_ALIASES.get(given.lower())
+    path = Path(given).expanduser()
+    # An existing path wins over an alias of the same spelling: it is the more explicit choice.
+    alias = None if path.exists() else MODEL_ALIASES.get(given.lower())
     if alias is not None:
         gguf_path = locate_packaged_gguf(given.lower(), alias)
         return ResolvedModel(convert_gguf_cached(gguf_path), "alias", str(gguf_path))
-
-    path = Path(given).expanduser()
     if path.is_dir():
         return ResolvedModel(check_local_dir(path), "local", given)
     if path.is_file():
@@ -228,6 +229,7 @@ def convert_gguf_cached(gguf_path: Path, trust_remote_code: bool = False) -> Pat
         notes = convert_gguf(gguf_path, staging, trust_remote_code)
         notes["seconds"] = round(time.monotonic() - started, 1)
         write_completion_marker(staging, gguf_path, notes)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache entry should read like any directory
         publish(staging, target)
     finally:
         if staging.exists():
@@ -302,6 +304,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False
     # weights into a plain model built from the same config.
     config = loaded.config
     config.tie_word_embeddings = facts["tied_embeddings"]
+    # The loader records the GGUF as a quantization scheme; the saved weights are plain fp32,
+    # and a leftover entry would make transformers treat the directory as a GGUF again.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     notes: dict[str, Any] = {"has_chat_template": bool(tokenizer.chat_template)}
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         # Batching needs a pad token; eos is the usual stand-in and is masked out of the loss anyway.
@@ -309,6 +315,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False
         notes["pad_token_from_eos"] = True
     if tokenizer.pad_token_id is not None:
         config.pad_token_id = tokenizer.pad_token_id
+    # The GGUF tokenizer comes back with an "unlimited" length; truncation should use the context size.
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions:
+        tokenizer.model_max_length = max_positions
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     plain.load_state_dict(loaded.state_dict(), strict=True)
     if facts["tied_embeddings"]:
@@ -367,6 +377,8 @@ def patch_rope_theta(config: dict[str, Any]) -> dict[str, Any]:
 
 def patch_config_file(config_path: Path, facts: dict[str, Any], notes: dict[str, Any]) -> None:
     config = patch_rope_theta(json.loads(config_path.read_text()))
+    config.pop("quantization_config", None)
+    config.pop("_model_name_or_path", None)  # the GGUF's display name, not a path
     config.setdefault("rope_theta", facts["rope_theta"])
     config["tie_word_embeddings"] = facts["tied_embeddings"]
     config["mudpuppy_conversion"] = {"source_format": "gguf", **notes}
@@ -381,6 +393,8 @@ def verify_converted_dir(out_dir: Path, facts: dict[str, Any]) -> None:
         problems.append(f"rope_theta {config.get('rope_theta')} != GGUF's {facts['rope_theta']}")
     if config.get("tie_word_embeddings") != facts["tied_embeddings"]:
         problems.append("tie_word_embeddings disagrees with the GGUF tensors")
+    if "quantization_config" in config:
+        problems.append("config.json still declares a quantization_config")
     if not list(out_dir.glob("*.safetensors")):
         problems.append("no *.safetensors written")
     if not (out_dir / "tokenizer.json").is_file() and not (out_dir / "tokenizer.model").is_file():
