@@ -84,6 +84,15 @@ class BackendProtocol(Protocol):
 
     def load_adapter(self, handle: ModelHandle, path: str) -> None: ...
 
+    def merge_and_save(self, handle: ModelHandle, path: str, dtype: str = "bfloat16") -> None:
+        """Fold the adapter into the base weights and save a plain model directory."""
+
+    # -- training state, for checkpoints and exact resume
+    def save_training_state(self, handle: ModelHandle, trainer: TrainerProtocol, path: str) -> None:
+        """Trainable weights, optimizer state and the runtime's RNG state, into directory `path`."""
+
+    def load_training_state(self, handle: ModelHandle, trainer: TrainerProtocol, path: str) -> None: ...
+
     # -- compute
     def create_trainer(self, handle: ModelHandle, training_cfg: "TrainingConfig") -> TrainerProtocol: ...
 

@@ -18,24 +18,44 @@ CONFIG = "config.yaml"
 OURS = (SUMMARY, METRICS, CONFIG)
 
 
-def prepare_output_dir(path: str | Path, overwrite: bool) -> Path:
+def prepare_output_dir(path: str | Path, overwrite: bool, resume: bool | str = False) -> tuple[Path, Path | None]:
+    """Make the output directory ready; returns it and the checkpoint to resume from, if any.
+
+    A non-empty directory is refused unless the run resumes from it or
+    --overwrite is given, and --overwrite never clears a directory that does
+    not look like one of our runs.
+    """
+    from .checkpoints import newest_checkpoint, remove_stale_staging
+
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise OutputExists(f"output_dir {out} is a file, not a directory")
+    finished = (out / SUMMARY).exists()
+    if resume and not overwrite:
+        ckpt = newest_checkpoint(out) if out.is_dir() else None
+        if finished:
+            raise OutputExists(f"output_dir {out} holds a finished run; nothing to resume "
+                               "(pass --overwrite to train again from scratch)")
+        if ckpt is not None:
+            remove_stale_staging(out)
+            return out, ckpt
+        if resume is True:
+            raise OutputExists(f"--resume: no complete checkpoint in {out}/checkpoints "
+                               "(set training.save_steps to write them)")
     if out.is_dir() and any(out.iterdir()):
-        finished = (out / SUMMARY).exists()
         if not overwrite:
             what = "a finished run" if finished else "files"
+            hint = "" if finished else ", --resume to continue from its newest checkpoint,"
             raise OutputExists(
                 f"output_dir {out} already holds {what}; choose another output_dir "
-                "(e.g. --set output_dir=...) or pass --overwrite to replace it")
+                f"(e.g. --set output_dir=...){hint} or pass --overwrite to replace it")
         if not any((out / name).exists() for name in OURS):
             raise OutputExists(
                 f"output_dir {out} is not empty and does not look like a mudpuppy run "
                 f"(no {SUMMARY}, {METRICS} or {CONFIG}); refusing to clear it even with --overwrite")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    return out
+    return out, None
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -49,11 +69,19 @@ def write_config(out: Path, cfg) -> None:
 
 
 class MetricsLog:
-    """One JSON object per line, flushed each time, so a crash keeps everything logged."""
+    """One JSON object per line, flushed each time, so a crash keeps everything logged.
 
-    def __init__(self, out: Path):
+    On resume, lines logged after the checkpoint's step (by the run that died)
+    are dropped first, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, out: Path, truncate_after: int | None = None):
         self.path = out / METRICS
         self.start = time.perf_counter()
+        if truncate_after is not None and self.path.exists():
+            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= truncate_after]
+            self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         self.fh = self.path.open("a", encoding="utf-8")
 
     def elapsed(self) -> float:

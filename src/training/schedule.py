@@ -23,4 +23,11 @@ def learning_rate(cfg, step: int, total_steps: int) -> float:
     progress = min((step - warmup) / span, 1.0)
     if cfg.lr_scheduler == "linear":
         return floor + (peak - floor) * (1.0 - progress)
+    if cfg.lr_scheduler == "polynomial":
+        return floor + (peak - floor) * (1.0 - progress) ** cfg.lr_power
+    if cfg.lr_scheduler == "cosine_with_restarts":
+        # Hard restarts: each of lr_cycles cycles decays from the peak to the floor.
+        if progress >= 1.0:
+            return floor
+        progress = (progress * cfg.lr_cycles) % 1.0
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

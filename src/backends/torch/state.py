@@ -1,0 +1,47 @@
+"""Training state on disk for the torch backends: trainable weights, optimizer, RNG.
+
+Only parameters that train are saved (the LoRA matrices, or every weight in
+full fine-tuning), keyed by their exact parameter names, so loading is a
+strict, name-checked copy and resume continues bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ...errors import MudpuppyError
+
+WEIGHTS = "trainable.safetensors"
+TRAINER = "trainer.pt"
+
+
+def save_training_state(backend, handle, trainer, path: str | Path) -> None:
+    path = Path(path)
+    model = handle.model
+    tensors = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    save_file(tensors, str(path / WEIGHTS))
+    torch.save(trainer.state_dict(), path / TRAINER)
+    if hasattr(model, "peft_config"):
+        # A checkpoint doubles as a usable PEFT adapter directory.
+        backend.save_adapter(handle, str(path))
+
+
+def load_training_state(backend, handle, trainer, path: str | Path) -> None:
+    path = Path(path)
+    tensors = load_file(str(path / WEIGHTS))
+    params = dict(handle.model.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in tensors]
+    unexpected = [n for n in tensors if n not in params]
+    if missing or unexpected:
+        example = (missing or unexpected)[0]
+        raise MudpuppyError(
+            f"checkpoint {path} does not fit this model and adapter "
+            f"({len(missing)} trainable tensors missing, {len(unexpected)} unexpected, e.g. {example}); "
+            "resume with the config that made it")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+    trainer.load_state_dict(torch.load(path / TRAINER, map_location="cpu", weights_only=True))

@@ -1,0 +1,28 @@
+"""`mudpuppy merge`: fold a finished run's adapter into its base model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ..errors import MudpuppyError, OutputExists
+
+
+def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None = None,
+              dtype: str | None = None, overwrite: bool = False) -> Path:
+    adapter = Path(adapter_dir or cfg.output_dir)
+    if not (adapter / "adapter_config.json").is_file():
+        raise MudpuppyError(
+            f"{adapter} holds no adapter (no adapter_config.json); merge needs a LoRA/DoRA run's output_dir "
+            "or --adapter DIR (a full fine-tune is already a plain model)")
+    out = Path(out_dir) if out_dir else Path(cfg.output_dir) / "merged"
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise OutputExists(f"{out} already exists; pass --overwrite to replace it or --out to choose another place")
+        if not (out / "config.json").is_file():
+            raise OutputExists(f"{out} is not empty and does not look like a merged model; refusing to clear it")
+        shutil.rmtree(out)
+    handle = backend.load_model(cfg.model, "fp32")
+    backend.load_adapter(handle, str(adapter))
+    backend.merge_and_save(handle, str(out), dtype or cfg.merge_dtype)
+    return out

@@ -1,0 +1,210 @@
+"""Checkpoints and exact resume: SIGKILL mid-run, Ctrl-C, non-finite losses, mismatched resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from mudpuppy import create_backend, load_config, run
+from mudpuppy.errors import MudpuppyError, OutputExists
+from mudpuppy.training import checkpoints
+from mudpuppy.training.sft import FAULT_ENV, Interrupted, TrainingDiverged
+
+K = 4
+
+
+def resume_config(tiny_config, out):
+    cfg = dict(tiny_config, output_dir=str(out))
+    # Dropout on: exact resume must restore the RNG that draws the dropout masks.
+    cfg["adapter"] = {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.1}
+    cfg["training"] = dict(tiny_config["training"], max_steps=2 * K, save_steps=K, micro_batch_size=4,
+                           lr_scheduler="cosine", warmup_steps=2)
+    cfg["eval"] = {"before_training": False, "after_training": False}
+    return cfg
+
+
+def cli(cfg_path, *extra, env=None):
+    return subprocess.run([sys.executable, "-m", "mudpuppy.cli", "run", "-c", str(cfg_path), *extra],
+                          capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+
+
+def metrics(out):
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tiny_config, tmp_path):
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    for out in (straight, broken):
+        (tmp_path / f"{out.name}.yaml").write_text(yaml.safe_dump(resume_config(tiny_config, out)))
+
+    assert cli(tmp_path / "straight.yaml").returncode == 0
+    killed = cli(tmp_path / "broken.yaml", env={FAULT_ENV: str(K)})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [c.name for c in checkpoints.list_checkpoints(broken)] == [f"step-{K:08d}"]
+    assert not (broken / "run_summary.json").exists()
+
+    # Without --resume the half-finished run is protected, not overwritten.
+    refused = cli(tmp_path / "broken.yaml")
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    resumed = cli(tmp_path / "broken.yaml", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from" in resumed.stdout
+
+    a, b = metrics(straight), metrics(broken)
+    assert [r["step"] for r in b] == list(range(1, 2 * K + 1))
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], atol=1e-5, rtol=0)
+    assert [r["lr"] for r in b] == [r["lr"] for r in a]
+    wa = load_file(str(straight / "adapter_model.safetensors"))
+    wb = load_file(str(broken / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        np.testing.assert_array_equal(wa[key], wb[key])
+    summary = json.loads((broken / "run_summary.json").read_text())
+    assert summary["resumed_from_step"] == K
+
+
+def test_resume_refuses_a_checkpoint_from_another_adapter(tiny_config, tmp_path):
+    cfg = resume_config(tiny_config, tmp_path / "run")
+    with pytest.raises(Interrupted):
+        run(load_config(cfg), _InterruptingBackend(create_backend("cpu"), at_call=K + 2), echo=lambda *_: None)
+    cfg["adapter"]["r"] = 8
+    cfg["resume"] = True
+    with pytest.raises(MudpuppyError, match="made with adapter="):
+        run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None)
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tiny_config, tmp_path):
+    cfg = resume_config(tiny_config, tmp_path / "empty")
+    cfg["resume"] = True
+    with pytest.raises(OutputExists, match="no complete checkpoint"):
+        run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None)
+    cfg["resume"] = "auto"           # auto starts fresh when there is nothing to resume
+    assert run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None).steps == 2 * K
+
+
+class _InterruptingBackend:
+    """The cpu backend, with Ctrl-C arriving during the n-th optimizer step."""
+
+    def __init__(self, inner, at_call):
+        self.inner, self.at_call, self.calls = inner, at_call, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def create_trainer(self, handle, cfg):
+        trainer = self.inner.create_trainer(handle, cfg)
+        step = trainer.step
+
+        def interrupting(micro, lr):
+            self.calls += 1
+            if self.calls == self.at_call:
+                raise KeyboardInterrupt
+            return step(micro, lr)
+
+        trainer.step = interrupting
+        return trainer
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_config, tmp_path):
+    cfg = resume_config(tiny_config, tmp_path / "run")
+    cfg["training"]["save_steps"] = 100
+    with pytest.raises(Interrupted) as info:
+        run(load_config(cfg), _InterruptingBackend(create_backend("cpu"), at_call=3), echo=lambda *_: None)
+    assert info.value.exit_code == 130 and "--resume" in str(info.value)
+    assert [c.name for c in checkpoints.list_checkpoints(tmp_path / "run")] == ["step-00000002"]
+    cfg["resume"] = True
+    assert run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None).steps == 2 * K
+
+
+class _NaNOnce:
+    """Make the loss of the n-th micro-batch non-finite, as a bad batch or overflow would."""
+
+    def __init__(self, backend, at_call):
+        self.backend, self.at_call, self.calls = backend, at_call, 0
+        self.original = backend.loss_sum
+
+    def __call__(self, handle, batch):
+        self.calls += 1
+        loss, n = self.original(handle, batch)
+        return (loss * float("nan"), n) if self.calls == self.at_call else (loss, n)
+
+
+def test_on_nan_skip_leaves_weights_and_optimizer_untouched(tiny_config, tmp_path, monkeypatch):
+    import torch
+
+    backend = create_backend("cpu")
+    cfg = resume_config(tiny_config, tmp_path / "run")
+    cfg["training"].update(on_nan="skip", save_steps=None, max_steps=3)
+    snapshots = []
+    original_step = backend.create_trainer
+
+    def create_trainer(handle, tcfg):
+        trainer = original_step(handle, tcfg)
+        step = trainer.step
+
+        def recording(micro, lr):
+            res = step(micro, lr)
+            params = {n: p.detach().clone() for n, p in handle.model.named_parameters() if p.requires_grad}
+            adam_steps = [float(s["step"]) for s in trainer.optimizer.state.values()]
+            snapshots.append((res.skipped, params, adam_steps))
+            return res
+
+        trainer.step = recording
+        return trainer
+
+    monkeypatch.setattr(backend, "create_trainer", create_trainer)
+    monkeypatch.setattr(backend, "loss_sum", _NaNOnce(backend, at_call=2))
+    result = run(load_config(cfg), backend, echo=lambda *_: None)
+    assert [s[0] for s in snapshots] == [False, True, False]
+    assert result.skipped_steps == 1
+    (_, p1, a1), (_, p2, a2) = snapshots[0], snapshots[1]
+    assert all(torch.equal(p1[n], p2[n]) for n in p1)
+    assert a1 == a2 == [1.0] * len(a1)
+    assert json.loads((tmp_path / "run" / "run_summary.json").read_text())["skipped_steps"] == 1
+
+
+def test_on_nan_stop_keeps_the_last_good_checkpoint(tiny_config, tmp_path, monkeypatch):
+    backend = create_backend("cpu")
+    cfg = resume_config(tiny_config, tmp_path / "run")
+    cfg["training"].update(on_nan="stop", save_steps=2)
+    monkeypatch.setattr(backend, "loss_sum", _NaNOnce(backend, at_call=3))
+    with pytest.raises(TrainingDiverged) as info:
+        run(load_config(cfg), backend, echo=lambda *_: None)
+    assert info.value.exit_code == 3
+    assert "step 3: non-finite" in str(info.value) and "step-00000002" in str(info.value)
+    assert [c.name for c in checkpoints.list_checkpoints(tmp_path / "run")] == ["step-00000002"]
+    assert not (tmp_path / "run" / "run_summary.json").exists()
+
+
+def test_half_written_checkpoints_are_invisible_and_old_ones_pruned(tmp_path):
+    calls = []
+    for step in (1, 2, 3):
+        checkpoints.save_checkpoint(tmp_path, step, {"m": 1}, {"step": step}, lambda d: calls.append(d), keep_last_n=2)
+    assert [c.name for c in checkpoints.list_checkpoints(tmp_path)] == ["step-00000002", "step-00000003"]
+    # A crash mid-save leaves a staging directory (or a directory without the marker): never "complete".
+    (tmp_path / "checkpoints" / ".tmp-step-00000004-99").mkdir()
+    (tmp_path / "checkpoints" / "step-00000005").mkdir()
+    assert checkpoints.newest_checkpoint(tmp_path).name == "step-00000003"
+    checkpoints.remove_stale_staging(tmp_path)
+    assert not (tmp_path / "checkpoints" / ".tmp-step-00000004-99").exists()
+
+
+def test_early_stopping_ends_the_run_after_patience_runs_out(tiny_config, tmp_path):
+    cfg = resume_config(tiny_config, tmp_path / "run")
+    cfg["training"].update(eval_steps=1, early_stopping_patience=2, early_stopping_min_delta=100.0,
+                           save_steps=None, max_steps=10)
+    result = run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None)
+    assert result.stopped_early and result.steps == 3
+    evals = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum("eval_loss" in r for r in evals) == 3
+    assert checkpoints.newest_checkpoint(tmp_path / "run").name == "step-00000003"
