@@ -1,0 +1,123 @@
+"""Merging adapters into the base, and the learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from mudpuppy import create_backend, load_config, run
+from mudpuppy.cli import main
+from mudpuppy.config import TrainingConfig
+from mudpuppy.training.schedule import learning_rate
+
+PROMPT = "<|im_start|>user\nturn on the kitchen lights<|im_end|>\n<|im_start|>assistant\n"
+
+
+def logits_of(model, tokenizer):
+    import torch
+
+    ids = torch.tensor([tokenizer(PROMPT, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits.float().numpy()
+
+
+@pytest.mark.parametrize("adapter", ["lora", "dora"])
+def test_merged_model_matches_the_adapter_and_differs_from_base(tiny_config, tiny_model_dir, tmp_path, adapter):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tiny_config["adapter"] = {"type": adapter, "r": 4, "alpha": 8}
+    tiny_config["training"].update(max_steps=4, learning_rate=3e-2)
+    tiny_config["eval"] = {"before_training": False, "after_training": False}
+    tiny_config["merge"] = True
+    tiny_config["merge_dtype"] = "float32"
+    result = run(load_config(tiny_config), create_backend("cpu"), echo=lambda *_: None)
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+    from peft import PeftModel
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with_adapter = logits_of(PeftModel.from_pretrained(base, str(result.output_dir)), tok)
+    merged = logits_of(AutoModelForCausalLM.from_pretrained(str(result.output_dir / "merged")), tok)
+    untouched = logits_of(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), tok)
+    np.testing.assert_allclose(merged, with_adapter, atol=1e-5, rtol=0)
+    assert np.abs(merged - untouched).max() > 1e-3
+
+
+def test_merge_command_is_idempotent_and_protects_its_output(tiny_config, tmp_path):
+    from safetensors.numpy import load_file
+
+    tiny_config["training"]["max_steps"] = 2
+    tiny_config["eval"] = {"before_training": False, "after_training": False}
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_config))
+    runner = CliRunner()
+    assert runner.invoke(main, ["run", "-c", str(cfg_path)]).exit_code == 0
+    first = runner.invoke(main, ["merge", "-c", str(cfg_path), "--dtype", "float32"])
+    assert first.exit_code == 0, first.output
+    merged = tmp_path / "run" / "merged" / "model.safetensors"
+    weights = load_file(str(merged))
+    again = runner.invoke(main, ["merge", "-c", str(cfg_path), "--dtype", "float32"])
+    assert again.exit_code == 2 and "--overwrite" in again.output
+    forced = runner.invoke(main, ["merge", "-c", str(cfg_path), "--dtype", "float32", "--overwrite"])
+    assert forced.exit_code == 0
+    for key, value in load_file(str(merged)).items():
+        np.testing.assert_array_equal(value, weights[key])
+    # merging what is already merged changes nothing
+    from mudpuppy.backends.torch.merge import merge_adapter
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(str(merged.parent))
+    assert merge_adapter(plain) is plain
+
+
+def test_merge_without_an_adapter_is_a_clear_error(tiny_config, tmp_path):
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_config))
+    res = CliRunner().invoke(main, ["merge", "-c", str(cfg_path)])
+    assert res.exit_code == 2 and "holds no adapter" in res.output
+
+
+def sched(**kw):
+    return TrainingConfig(learning_rate=1.0, **kw)
+
+
+def test_warmup_then_cosine_to_floor():
+    cfg = sched(lr_scheduler="cosine", warmup_steps=4, min_lr_ratio=0.1)
+    lrs = [learning_rate(cfg, s, 14) for s in range(14)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == 1.0
+    assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 9 / 10)))
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def test_linear_polynomial_constant():
+    assert [learning_rate(sched(lr_scheduler="linear"), s, 4) for s in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    poly = sched(lr_scheduler="polynomial", lr_power=2.0)
+    assert learning_rate(poly, 2, 4) == pytest.approx(0.25)
+    assert {learning_rate(sched(lr_scheduler="constant", warmup_ratio=0.5), s, 4) for s in (2, 3)} == {1.0}
+
+
+def test_cosine_with_restarts_returns_to_the_peak_each_cycle():
+    cfg = sched(lr_scheduler="cosine_with_restarts", lr_cycles=2)
+    lrs = [learning_rate(cfg, s, 8) for s in range(8)]
+    assert lrs[0] == lrs[4] == 1.0
+    assert lrs[3] < 0.2 and lrs[7] < 0.2
+    assert lrs[1] == pytest.approx(lrs[5])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adafactor"])
+def test_other_optimizers_train(tiny_config, optimizer):
+    tiny_config["training"].update(optimizer=optimizer, max_steps=12, lr_scheduler="constant",
+                                   learning_rate=0.5 if optimizer == "sgd" else 3e-2, momentum=0.9 if optimizer == "sgd" else 0.0)
+    tiny_config["data"]["datasets"][0]["num_samples"] = 8
+    tiny_config["eval"] = {"before_training": False, "after_training": False}
+    if optimizer == "adafactor":
+        # Adafactor scales each step by the parameter's RMS, so a zero-initialised
+        # LoRA B hardly moves: it is an optimizer for full fine-tuning.
+        tiny_config["adapter"] = {"type": "none"}
+    result = run(load_config(tiny_config), create_backend("cpu"), echo=lambda *_: None)
+    assert np.mean(result.losses[-3:]) < np.mean(result.losses[:3]) * 0.9, result.losses
