@@ -19,6 +19,7 @@ import torch
 from ...errors import MudpuppyError
 from ..models import resolve_model
 from ..protocol import AdapterInfo, StepResult
+from .attention import packed_attention_mask
 
 IGNORE_INDEX = -100
 # Tokens per lm_head chunk when computing the loss: bounds the [tokens x vocab]
@@ -34,6 +35,12 @@ class DevicePlan:
     device: torch.device
     autocast_dtype: torch.dtype | None = None   # compute dtype for matmuls, None = fp32
     notes: list[str] = field(default_factory=list)
+    loss_scaling: bool = False        # scale fp16 losses (GradScaler) when the step computes in fp16
+    env: dict[str, str] = field(default_factory=dict)   # variables a child process needs (see devices.py)
+    attention: str = ""               # which SDPA kernel runs, for the report
+    devices: list[int] = field(default_factory=list)    # torch indices of the GPUs in use
+    precision: str = ""               # bf16, fp16, fp32 or fp8, as chosen by the device module
+    fp8: bool = False                 # train linear layers with torchao's float8 recipe
 
 
 @dataclass
@@ -66,6 +73,10 @@ class TorchBackend:
         )
         model.to(self.plan.device)
         model.config.use_cache = False
+        if self.plan.fp8:
+            from .devices import convert_to_fp8
+
+            convert_to_fp8(model)
         return TorchModel(model, tokenizer, str(resolved.path), self.compute_dtype(precision))
 
     def load_tokenizer(self, model_cfg, default_path: Path):
@@ -82,6 +93,8 @@ class TorchBackend:
             return None
         if precision == "bf16":
             return torch.bfloat16
+        if precision == "fp16":
+            return torch.float16
         return self.plan.autocast_dtype
 
     def save_model(self, handle: TorchModel, path: str) -> None:
@@ -136,6 +149,29 @@ class TorchBackend:
         handle.model = PeftModel.from_pretrained(handle.model, path)
         handle.model.to(self.plan.device)
 
+    def merge_and_save(self, handle: TorchModel, path: str, dtype: str = "bfloat16") -> None:
+        """Fold the adapter into the base weights (in place) and save a plain transformers model.
+
+        The handle holds the merged model afterwards; merging a model with no
+        adapter left is a no-op, so merging twice gives the same weights.
+        """
+        from .merge import merge_adapter
+
+        handle.model = merge_adapter(handle.model)
+        handle.model.to(getattr(torch, dtype)).save_pretrained(path)
+        handle.tokenizer.save_pretrained(path)
+
+    # --------------------------------------------------------- training state
+    def save_training_state(self, handle: TorchModel, trainer, path: str) -> None:
+        from .state import save_training_state
+
+        save_training_state(self, handle, trainer, path)
+
+    def load_training_state(self, handle: TorchModel, trainer, path: str) -> None:
+        from .state import load_training_state
+
+        load_training_state(self, handle, trainer, path)
+
     # ----------------------------------------------------------------- compute
     def seed(self, seed: int) -> None:
         random.seed(seed)
@@ -148,10 +184,21 @@ class TorchBackend:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return TorchTrainer(self, handle, training_cfg)
 
-    def _tensors(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _tensors(self, batch, model) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Model keyword inputs and the labels. A packed batch gets its per-segment
+        positions and a block-diagonal causal mask (see attention.py)."""
         dev = self.plan.device
-        return (torch.as_tensor(batch.input_ids, device=dev), torch.as_tensor(batch.labels, device=dev),
-                torch.as_tensor(batch.attention_mask, device=dev))
+        inputs = {"input_ids": torch.as_tensor(batch.input_ids, device=dev)}
+        labels = torch.as_tensor(batch.labels, device=dev)
+        if getattr(batch, "segment_ids", None) is None:
+            inputs["attention_mask"] = torch.as_tensor(batch.attention_mask, device=dev)
+            return inputs, labels
+        base = _unwrap(model)
+        impl = getattr(base.config, "_attn_implementation", None) or "eager"
+        segments = torch.as_tensor(batch.segment_ids, device=dev)
+        inputs["attention_mask"] = packed_attention_mask(segments, impl, base.dtype)
+        inputs["position_ids"] = torch.as_tensor(batch.position_ids, device=dev)
+        return inputs, labels
 
     def _autocast(self, handle: TorchModel):
         if handle.autocast_dtype is None:
@@ -164,10 +211,10 @@ class TorchBackend:
         Only positions with a target go through the output head, in chunks, so
         a chat example whose answer is 5 tokens costs 5 rows of logits, not T.
         """
-        ids, labels, attn = self._tensors(batch)
+        inputs, labels = self._tensors(batch, handle.model)
         base = _unwrap(handle.model)
         with self._autocast(handle):
-            hidden = base.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+            hidden = base.get_decoder()(**inputs).last_hidden_state
             keep = labels != IGNORE_INDEX
             hidden, targets = hidden[keep], labels[keep]
             head = base.get_output_embeddings()
@@ -191,9 +238,9 @@ class TorchBackend:
     @torch.no_grad()
     def logits(self, handle: TorchModel, batch) -> np.ndarray:
         handle.model.eval()
-        ids, _, attn = self._tensors(batch)
+        inputs, _ = self._tensors(batch, handle.model)
         with self._autocast(handle):
-            out = handle.model(input_ids=ids, attention_mask=attn).logits
+            out = handle.model(**inputs).logits
         return out.float().cpu().numpy()
 
     @torch.no_grad()
@@ -234,8 +281,16 @@ class TorchTrainer:
             self.optimizer = torch.optim.AdamW(
                 self.params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                 weight_decay=decay, foreach=True)
+        elif cfg.optimizer == "adafactor":
+            # Factored second moments: optimizer memory ~ rows + cols instead of rows x cols.
+            self.optimizer = torch.optim.Adafactor(self.params, lr=cfg.learning_rate, weight_decay=decay)
         else:
-            self.optimizer = torch.optim.SGD(self.params, lr=cfg.learning_rate, weight_decay=decay)
+            self.optimizer = torch.optim.SGD(self.params, lr=cfg.learning_rate, momentum=cfg.momentum,
+                                             weight_decay=decay)
+        # fp16 gradients underflow to zero without a loss scale; bf16 and fp32 need none.
+        self.scaler = None
+        if backend.plan.loss_scaling and handle.autocast_dtype == torch.float16:
+            self.scaler = torch.amp.GradScaler(backend.plan.device.type)
 
     def step(self, micro_batches, lr: float) -> StepResult:
         model = self.handle.model
@@ -247,26 +302,44 @@ class TorchTrainer:
         total = 0.0
         for batch in micro_batches:
             loss, _ = self.backend.loss_sum(self.handle, batch)
-            (loss / max(loss_tokens, 1)).backward()
+            scaled = loss / max(loss_tokens, 1)
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += float(loss.detach())
         tokens = sum(b.real_tokens for b in micro_batches)
         mean = total / max(loss_tokens, 1)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip and report the true gradient norm
         clip = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         if not (np.isfinite(mean) and np.isfinite(grad_norm)):
+            if self.scaler:
+                self.scaler.update()  # an fp16 overflow: lower the scale and try the next step
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(mean, loss_tokens, tokens, grad_norm, skipped=True)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         return StepResult(mean, loss_tokens, tokens, grad_norm)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        if self.backend.plan.device.type == "cuda":   # dropout on the GPU draws from its own generator
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.backend.plan.device)
+        if self.scaler:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.backend.plan.device)
+        if self.scaler and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
 
 
 def _unwrap(model):

@@ -1,31 +1,166 @@
-"""AMD GPUs through PyTorch's ROCm (HIP) build; torch exposes them as 'cuda' devices."""
+"""AMD GPUs through PyTorch's ROCm (HIP) build; torch exposes them as 'cuda' devices.
+
+What is AMD-specific lives here: which architectures are integrated GPUs to
+skip, which have native bf16 and fp8, the allocator default, and the install
+command. The mechanics (probe, selection, precision, environment) are shared
+with CUDA in devices.py.
+"""
 
 from __future__ import annotations
+
+import os
+import re
 
 import torch
 
 from ..protocol import Availability
-from .backend import DevicePlan, TorchBackend
+from .backend import TorchBackend
+from .devices import (
+    ALLOW_IGPU_VAR,
+    Gpu,
+    GpuKind,
+    igpu_allowed,
+    plan_run,
+    probe_kind,
+    reinstall_command,
+    torch_build,
+)
 
-ROCM_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/rocm6.4"
+ROCM_WHEEL_INDEX = "https://download.pytorch.org/whl/rocm7.2"
+
+# Integrated Radeon GPUs that ROCm enumerates next to a discrete card. They are
+# small (2-16 CUs), mostly unsupported by ROCm, and several segfault on the
+# first kernel (the gfx1036 of a Ryzen 7000/9000 desktop is the classic case),
+# which a probe cannot survive, so they are skipped by name before probing.
+SMALL_IGPU_ARCHS = {
+    "gfx902": "Raven Ridge / Picasso Vega",
+    "gfx909": "Raven 2 Vega",
+    "gfx90c": "Renoir / Cezanne / Barcelo Vega",
+    "gfx1033": "Van Gogh (Steam Deck)",
+    "gfx1035": "Rembrandt (Radeon 660M/680M)",
+    "gfx1036": "Raphael / Granite Ridge (Ryzen 7000/9000 desktop iGPU)",
+    "gfx1037": "Mendocino (Radeon 610M)",
+    "gfx1103": "Phoenix / Hawk Point (Radeon 740M-780M)",
+    "gfx1150": "Strix Point (Radeon 880M/890M)",
+    "gfx1152": "Krackan Point (Radeon 820M-860M)",
+}
+# APUs that *are* the machine's accelerator (large unified memory, supported by
+# ROCm): never skipped, even though the driver reports them as integrated.
+CAPABLE_APU_ARCHS = {
+    "gfx1151": "Strix Halo (Radeon 8050S/8060S)",
+    "gfx942": "MI300A",
+}
+# Native bf16 matrix instructions: CDNA (MI100 onward), RDNA3 and RDNA4.
+# RDNA2 (gfx103x) and Vega (gfx90x) emulate bf16 slowly, so fp16 is used there.
+BF16_ARCH_PREFIXES = ("gfx908", "gfx90a", "gfx94", "gfx95", "gfx11", "gfx12")
+# fp8 matmuls: MI300 (fnuz formats), MI350 and RDNA4 (OCP formats).
+FP8_ARCHS = ("gfx942", "gfx950")
+FP8_ARCH_PREFIXES = ("gfx12",)
+
+# Expandable segments reached ROCm in torch 2.11, gated on ROCm >= 7.0.
+EXPANDABLE_MIN_TORCH = (2, 11)
+EXPANDABLE_MIN_ROCM = (7, 0)
+# Why not expandable segments by default: on ROCm they are recent, with open
+# reports of hangs in hsaKmtMemoryVaMap and of zeroed memory when combined with
+# max_split_size_mb. Capping the split size is the long-proven remedy for the
+# fragmentation that LoRA training's varying sequence lengths cause.
+ALLOCATOR_DEFAULT = "max_split_size_mb:128"
+VISIBILITY_VARS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def read_arch(props) -> str:
+    """'gfx90a' from 'gfx90a:sramecc+:xnack-' (the feature flags do not change what runs)."""
+    return (getattr(props, "gcnArchName", "") or "unknown").split(":")[0]
+
+
+def read_traits(props) -> dict:
+    arch = read_arch(props)
+    return {
+        "arch": arch,
+        "bf16": arch.startswith(BF16_ARCH_PREFIXES),
+        "fp8": arch in FP8_ARCHS or arch.startswith(FP8_ARCH_PREFIXES),
+    }
+
+
+def find_exclusion(gpu: Gpu) -> str:
+    if igpu_allowed() or gpu.arch in CAPABLE_APU_ARCHS:
+        return ""
+    label = SMALL_IGPU_ARCHS.get(gpu.arch)
+    if not (label or gpu.integrated):
+        return ""
+    what = f"integrated GPU, {label}" if label else "integrated GPU"
+    return (f"{what}: these often crash on basic operations under ROCm; "
+            f"set {ALLOW_IGPU_VAR}=1 to try it anyway")
+
+
+def check_build() -> str:
+    build = torch_build()
+    if build == "rocm":
+        return ""
+    install = reinstall_command(ROCM_WHEEL_INDEX)
+    if build == "cuda":
+        return (f"this torch build ({torch.__version__}) has no HIP support: it is the CUDA build "
+                f"(CUDA {torch.version.cuda}), which drives NVIDIA GPUs only. AMD GPUs need PyTorch's ROCm "
+                f"build, a separate wheel of the same package: {install}. "
+                "On an NVIDIA GPU use --backend cuda instead")
+    return (f"this torch build ({torch.__version__}) has no HIP support: it is the CPU-only build. "
+            f"Install the ROCm build: {install}")
+
+
+def no_gpu_reason() -> str:
+    shown = [f"{v}={os.environ[v]!r}" for v in ("ROCR_VISIBLE_DEVICES", *VISIBILITY_VARS) if v in os.environ]
+    return (f"torch {torch.__version__} has HIP {torch.version.hip} but sees no AMD GPU: check that `rocminfo` "
+            "lists one, that your user is in the render and video groups, and the visibility variables "
+            f"({', '.join(shown) if shown else 'none set'})")
+
+
+def parse_version(text: str | None) -> tuple[int, int]:
+    """(major, minor) from '2.13.0+rocm7.2' or '7.2.53211-abc'; (0, 0) when unreadable."""
+    match = re.match(r"(\d+)\.(\d+)", text or "")
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def expandable_segments_supported(torch_version: str | None = None, hip_version: str | None = None) -> bool:
+    torch_version = torch_version or torch.__version__
+    hip_version = hip_version or getattr(torch.version, "hip", None)
+    return (parse_version(torch_version) >= EXPANDABLE_MIN_TORCH
+            and parse_version(hip_version) >= EXPANDABLE_MIN_ROCM)
+
+
+def allocator_notes(value: str) -> list[str]:
+    """Warnings about an allocator setting the user chose; mudpuppy keeps it either way."""
+    options = dict(part.split(":", 1) for part in value.split(",") if ":" in part)
+    if options.get("expandable_segments", "").strip().lower() != "true":
+        return []
+    if not expandable_segments_supported():
+        return [(f"expandable_segments is ignored by torch {torch.__version__} with HIP {torch.version.hip}: "
+                 "on ROCm it needs torch >= 2.11 built with ROCm >= 7.0")]
+    if "max_split_size_mb" in options:
+        return [("expandable_segments together with max_split_size_mb has been reported to return zeroed memory "
+                 "on some ROCm releases; keep one of the two")]
+    return ["expandable_segments on ROCm is recent: if a run hangs while moving tensors to the GPU, unset it"]
+
+
+KIND = GpuKind(
+    name="rocm",
+    runtime=lambda: f"HIP {torch.version.hip}",
+    check_build=check_build,
+    no_gpu_reason=no_gpu_reason,
+    read_traits=read_traits,
+    exclude=find_exclusion,
+    visibility_vars=VISIBILITY_VARS,
+    native_allocator_var="PYTORCH_HIP_ALLOC_CONF",
+    allocator_default=lambda: ALLOCATOR_DEFAULT,
+    allocator_notes=allocator_notes,
+    fp8_requirement="fp8 matmuls need an AMD Instinct MI300 (gfx942) or MI350 (gfx950), or a Radeon RX 9000 (gfx12)",
+)
 
 
 def probe() -> Availability:
-    hip = getattr(torch.version, "hip", None)
-    if not hip:
-        return Availability("rocm", False, f"this torch build ({torch.__version__}) has no HIP support; "
-                            f"install the ROCm build: {ROCM_INSTALL}")
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        return Availability("rocm", False, f"torch {torch.__version__} has HIP {hip} but sees no AMD GPU "
-                            "(check rocm-smi, the render group, and HIP_VISIBLE_DEVICES)")
-    x = torch.ones(64, 64, device="cuda:0")
-    if not bool(torch.isfinite(x @ x).all().item()):
-        return Availability("rocm", False, "a matmul on the first GPU gave non-finite values")
-    name = torch.cuda.get_device_name(0)
-    return Availability("rocm", True, device=f"cuda:0 ({name}, HIP {hip})",
-                        details={"bf16": torch.cuda.is_bf16_supported(), "devices": torch.cuda.device_count()})
+    return probe_kind(KIND)
 
 
-def create(availability: Availability, **_options) -> TorchBackend:
-    dtype = torch.bfloat16 if availability.details.get("bf16") else torch.float16
-    return TorchBackend(DevicePlan("rocm", torch.device("cuda:0"), dtype))
+def create(availability: Availability, devices: int | list[int] | None = None,
+           precision: str | None = None, **_options) -> TorchBackend:
+    """One GPU, loaded on the CPU first and moved whole: `device_map="auto"` segfaults with an iGPU present."""
+    return TorchBackend(plan_run(KIND, availability, devices, precision))

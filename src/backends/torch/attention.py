@@ -1,0 +1,36 @@
+"""Attention masks that keep packed examples apart.
+
+A packed row holds several examples end to end. Restarting position ids at
+each example is not enough: transformers (5.x, sdpa and eager) still lets a
+token attend to every earlier token of the row, measured at ~0.5 logit error.
+An explicit 4D block-diagonal causal mask isolates them exactly: token q may
+attend to token k only when both belong to the same segment and k <= q.
+Padding is segment 0 and attends only to earlier padding, so no attention
+row is empty (an all-blocked row would turn into NaNs in the softmax).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import MudpuppyError
+
+# Implementations that take a 4D mask as given. flash-attention takes none,
+# and flex-attention wants a BlockMask: both are refused rather than run unmasked.
+MASKABLE = ("sdpa", "eager")
+
+
+def packed_attention_mask(segment_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, T, T] mask: bool (True = attend) for sdpa, additive float (0 or dtype-min) for eager."""
+    if attn_implementation not in MASKABLE:
+        raise MudpuppyError(
+            f"data.packing needs an attention implementation that accepts a 4D mask ({', '.join(MASKABLE)}); "
+            f"this model uses {attn_implementation!r}. Turn packing off, or load the model with sdpa")
+    width = segment_ids.shape[-1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
+    allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
+    allowed = allowed[:, None, :, :]
+    if attn_implementation == "sdpa":
+        return allowed
+    blocked = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=segment_ids.device)
+    return blocked.masked_fill(allowed, 0.0)
