@@ -5,7 +5,7 @@
 #   make test   # install, then run the fast test suite (tiny models, no network)
 #
 # torch is installed first, from TORCH_SPEC, so that you choose the build:
-#   make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/rocm6.4"   # AMD
+#   make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/rocm7.2"   # AMD
 #   make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"     # NVIDIA
 # The project's own torch range is satisfied by the build you picked, so pip keeps it.
 

@@ -57,13 +57,26 @@ class AdapterConfig(_Strict):
 
 
 class DatasetSpec(_Strict):
+    """One dataset: where it is, what format it holds, and how its records become tokens.
+
+    Formats, fields and options are documented with examples in docs/data.md.
+    """
+
     path: str = Field(min_length=1, description="JSONL/JSON/CSV/Parquet file, or hub dataset name")
     type: Literal[DATASET_TYPES] = "auto"  # type: ignore[valid-type]
-    split: str = "train"
+    split: str = Field("train", description="hub datasets: which split to read")
+    subset: str | None = Field(None, description="hub datasets: the configuration (subset) name")
     field_map: dict[str, str] = Field(default_factory=dict, description="source field -> our field")
     roles_to_train: list[Literal["system", "user", "assistant", "tool"]] = ["assistant"]
-    num_samples: int | None = Field(None, gt=0)
-    weight: float | None = Field(None, gt=0)
+    train_on_inputs: bool = Field(False, description="prompt tokens carry loss too")
+    train_on_eos: Literal["turn", "last", "none"] = Field(
+        "turn", description="which end-of-turn markers carry loss: every trained turn's, the last one's, or none")
+    prompt_style: Literal["auto", "chat", "raw"] = Field(
+        "auto", description="render prompt/response formats through the chat template (chat), as plain text "
+                            "(raw), or chat when a template is available (auto)")
+    system_prompt: str | None = Field(None, description="system message put before prompts rendered as chat")
+    num_samples: int | None = Field(None, gt=0, description="use the first N records")
+    weight: float | None = Field(None, gt=0, description="scale this dataset's share of training examples")
 
 
 class DataConfig(_Strict):
@@ -72,10 +85,16 @@ class DataConfig(_Strict):
     val_set_size: float = Field(0.0, ge=0.0, description="fraction (<1) or count (>=1) held out")
     sequence_len: int = Field(2048, gt=8)
     truncation: Literal["truncate", "drop"] = "truncate"
-    chat_template: str | None = Field(None, description="'tokenizer' (default), or a built-in name")
-    packing: bool = False
+    chat_template: str | None = Field(
+        None, description="'tokenizer' (default), a built-in name (chatml, llama3, ...), or a Jinja template")
+    packing: bool = Field(False, description="pack examples into sequence_len rows, attention isolated per example")
+    tokens_per_batch: int | None = Field(
+        None, gt=0, description="token budget per micro-batch (padded size); replaces micro_batch_size")
+    group_by_length: bool = Field(False, description="batch examples of similar length together")
     shuffle: bool = True
     skip_bad_records: bool = False
+    cache: bool = Field(True, description="reuse data tokenized by `mudpuppy preprocess` when it still matches")
+    cache_dir: str | None = Field(None, description="where tokenized data is cached; default <mudpuppy cache>/data")
 
     @field_validator("val_set_size")
     @classmethod
@@ -84,6 +103,23 @@ class DataConfig(_Strict):
             raise ValueError("a count must be a whole number; a fraction must be below 1")
         return v
 
+    @field_validator("chat_template")
+    @classmethod
+    def _known_template(cls, v):
+        from .data.templates import BUILTIN_TEMPLATES, is_jinja
+
+        if v is None or v == "tokenizer" or v in BUILTIN_TEMPLATES or is_jinja(v):
+            return v
+        names = ", ".join(BUILTIN_TEMPLATES)
+        raise ValueError(f"unknown chat template {v!r}; use 'tokenizer', one of {names}, or a Jinja template")
+
+    @model_validator(mode="after")
+    def _budget_fits_a_sequence(self):
+        if self.tokens_per_batch is not None and self.tokens_per_batch < self.sequence_len:
+            raise ValueError(f"tokens_per_batch ({self.tokens_per_batch}) must be at least sequence_len "
+                             f"({self.sequence_len}), or the longest examples fit in no batch")
+        return self
+
 
 class TrainingConfig(_Strict):
     epochs: float | None = Field(None, gt=0)
@@ -91,18 +127,27 @@ class TrainingConfig(_Strict):
     micro_batch_size: int = Field(1, gt=0)
     gradient_accumulation_steps: int = Field(1, gt=0)
     learning_rate: float = Field(2e-4, gt=0)
-    lr_scheduler: Literal["linear", "cosine", "constant"] = "cosine"
+    lr_scheduler: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant"] = "cosine"
+    lr_cycles: int = Field(1, gt=0, description="cosine_with_restarts: number of hard restarts")
+    lr_power: float = Field(1.0, gt=0, description="polynomial: decay exponent")
     warmup_steps: int = Field(0, ge=0)
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "sgd", "adafactor"] = "adamw"
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="sgd only")
     weight_decay: float = Field(0.0, ge=0.0)
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
     gradient_checkpointing: bool = False
     seed: int = 42
+    save_steps: int | None = Field(None, gt=0, description="checkpoint every N optimizer steps (and at the end)")
+    keep_last_n: int | None = Field(3, gt=0, description="checkpoints kept; older ones are deleted")
+    eval_steps: int | None = Field(None, gt=0, description="held-out loss every N steps")
+    early_stopping_patience: int | None = Field(None, gt=0, description="stop after N evals without improvement")
+    early_stopping_min_delta: float = Field(0.0, ge=0.0)
+    on_nan: Literal["skip", "stop"] = "skip"
 
     @model_validator(mode="after")
     def _one_length(self):
@@ -110,6 +155,8 @@ class TrainingConfig(_Strict):
             self.epochs = 1.0
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
+        if self.early_stopping_patience and not self.eval_steps:
+            raise ValueError("early_stopping_patience needs eval_steps (how often to measure held-out loss)")
         return self
 
 
@@ -133,6 +180,7 @@ class LoggingConfig(_Strict):
 class RunConfig(_Strict):
     model: ModelConfig
     backend: Literal[BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
+    devices: list[int] | None = Field(None, description="GPU indices (after *_VISIBLE_DEVICES); default: the first usable")
     method: Literal["sft"] = "sft"
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     data: DataConfig
@@ -140,6 +188,9 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     output_dir: str = Field(min_length=1)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    resume: bool | Literal["auto"] = Field(False, description="continue from the newest complete checkpoint")
+    merge: bool = Field(False, description="merge the adapter into the base model at the end of the run")
+    merge_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
 
     # Where the YAML came from; relative data paths resolve against it first.
     source_dir: str | None = Field(None, exclude=True)
@@ -147,6 +198,10 @@ class RunConfig(_Strict):
     def resolve_path(self, path: str) -> Path:
         """A data path as the user meant it: config directory first, then cwd."""
         return resolve_relative(path, self.source_dir)
+
+    def backend_options(self) -> dict[str, Any]:
+        """What `create_backend` needs from the config besides the name."""
+        return {"devices": self.devices, "precision": self.training.precision}
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"source_dir"})

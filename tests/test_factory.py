@@ -92,3 +92,16 @@ def test_cli_run_with_unavailable_backend_exits_2(tiny_config, tmp_path):
     assert res.exit_code == 2
     assert "error: rocm:" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp8"])
+def test_cpu_refuses_gpu_only_precisions(precision):
+    from mudpuppy.errors import MudpuppyError
+
+    with pytest.raises(MudpuppyError, match=f"training.precision: {precision} needs a GPU"):
+        create_backend("cpu", precision=precision)
+
+
+def test_cpu_reports_its_precision_choice():
+    backend = create_backend("cpu", precision="auto")
+    assert backend.plan.notes and backend.plan.notes[0].startswith("precision: ")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import MudpuppyError
 from ..protocol import Availability
 from .backend import DevicePlan, TorchBackend
 
@@ -28,6 +29,14 @@ def probe() -> Availability:
     )
 
 
-def create(availability: Availability, **_options) -> TorchBackend:
-    autocast = torch.bfloat16 if availability.details.get("bf16") else None
-    return TorchBackend(DevicePlan("cpu", torch.device("cpu"), autocast))
+def create(availability: Availability, precision: str | None = None, devices=None, **_options) -> TorchBackend:
+    if precision in ("fp16", "fp8"):
+        # fp16 on a CPU trains without loss scaling and is slower than bf16; fp8 needs GPU kernels.
+        raise MudpuppyError(f"training.precision: {precision} needs a GPU; on the cpu backend use bf16 or fp32 "
+                            "(auto picks bf16 where the CPU runs it natively)")
+    if devices:
+        raise MudpuppyError("devices: picks GPUs; the cpu backend has none to pick (remove it or choose rocm/cuda)")
+    fast_bf16 = bool(availability.details.get("bf16"))
+    autocast = torch.bfloat16 if fast_bf16 else None
+    note = "precision: bf16 autocast (native bf16 matmuls)" if fast_bf16 else "precision: fp32 (no native bf16 on this CPU)"
+    return TorchBackend(DevicePlan("cpu", torch.device("cpu"), autocast, notes=[note], precision="bf16" if fast_bf16 else "fp32"))
