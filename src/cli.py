@@ -51,17 +51,20 @@ def main():
 @click.option("--backend", "-b", default=None, help="auto, cpu, cuda, rocm or mlx (overrides the config).")
 @set_option
 @click.option("--overwrite", is_flag=True, help="Replace an output_dir that already holds a run.")
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in output_dir.")
 @debug_option
 @_handle_errors
-def run(config_path, backend, overrides, overwrite, debug):
+def run(config_path, backend, overrides, overwrite, resume, debug):
     """Run the training job a config describes."""
     from . import create_backend, load_config
     from .training import run as run_method
 
-    overrides = list(overrides) + ([f"backend={backend}"] if backend else [])
+    overrides = list(overrides) + ([f"backend={backend}"] if backend else []) + (["resume=true"] if resume else [])
     cfg = load_config(config_path, overrides)
-    impl = create_backend(cfg.backend)
+    impl = create_backend(cfg.backend, **cfg.backend_options())
     click.echo(f"backend: {impl.name} on {impl.device}")
+    for note in getattr(getattr(impl, "plan", None), "notes", []):
+        click.echo(f"  {note}")
     result = run_method(cfg, impl, overwrite=overwrite, echo=click.echo)
     click.echo(_table(result))
     click.echo(f"saved to {result.output_dir} ({result.steps} steps, {result.seconds:.0f} s, "
@@ -83,6 +86,72 @@ def validate(config_path, overrides, debug):
 
 
 @main.command()
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@set_option
+@click.option("--samples", "-n", default=2, show_default=True, type=click.IntRange(min=0),
+              help="Decoded training samples to show, loss-carrying tokens in [[ ]].")
+@click.option("--refresh", is_flag=True, help="Tokenize afresh even when the cache matches.")
+@debug_option
+@_handle_errors
+def preprocess(config_path, overrides, samples, refresh, debug):
+    """Tokenize and cache a config's data, then show what training will see.
+
+    Data problems are reported before the tokenizer loads; the cache is keyed
+    by the data files, the tokenizer and the data settings, so `run` reuses it
+    only while all three match.
+    """
+    from transformers import AutoTokenizer
+
+    from .backends.models import resolve_model
+    from .config import load_config
+    from .data import load_data, prepare_data
+    from .data.report import format_report
+
+    cfg = load_config(config_path, overrides)
+    loaded = load_data(cfg)
+    click.echo(f"{config_path}: {len(loaded.train)} training and {len(loaded.val)} validation dataset(s) "
+               f"read and checked for method {cfg.method}")
+    source = cfg.model.tokenizer or str(resolve_model(cfg.model.base_model, cfg.model.revision,
+                                                      cfg.model.trust_remote_code).path)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    prepared = prepare_data(cfg, tokenizer, loaded, write_cache=True, refresh=refresh)
+    rep = prepared.report
+    cache_line = {
+        "reused": f"cache: reused {rep.cache_path} (tokenized {rep.cache_created}); nothing was re-tokenized",
+        "written": f"cache: tokenized and saved to {rep.cache_path}; `mudpuppy run` will reuse it",
+        "off": "cache: off (data.cache: false); tokenized but not saved",
+    }.get(rep.cache, f"cache: {rep.cache}")
+    click.echo(f"tokenizer: {source}")
+    click.echo(cache_line)
+    for line in format_report(prepared, cfg, tokenizer, samples):
+        click.echo(line)
+
+
+@main.command()
+@config_option
+@set_option
+@click.option("--adapter", "adapter_dir", type=click.Path(file_okay=False), default=None,
+              help="Adapter directory to merge (default: the config's output_dir).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Where to write the merged model (default: <output_dir>/merged).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Precision of the merged weights (default: the config's merge_dtype).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing merged model directory.")
+@debug_option
+@_handle_errors
+def merge(config_path, overrides, adapter_dir, out_dir, dtype, overwrite, debug):
+    """Merge a trained LoRA/DoRA adapter into its base model (plain safetensors)."""
+    from . import create_backend, load_config
+    from .training.merge import merge_run
+
+    cfg = load_config(config_path, overrides, check_files=False)
+    path = merge_run(cfg, create_backend(cfg.backend, **cfg.backend_options()), adapter_dir, out_dir, dtype, overwrite)
+    click.echo(f"merged model saved to {path}")
+
+
+@main.command()
 @debug_option
 @_handle_errors
 def backends(debug):
@@ -93,6 +162,23 @@ def backends(debug):
         status = f"available  {a.device}" if a.available else f"unavailable  {a.reason}"
         click.echo(f"{a.name:5s} {status}")
         click.echo(f"      {describe(a.name)}")
+
+
+@main.command("convert-adapter")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--to", "to", required=True, type=click.Choice(["peft", "mlx"]),
+              help="peft: adapter_model.safetensors for PEFT/torch; mlx: adapters.safetensors for mlx-lm.")
+@debug_option
+@_handle_errors
+def convert_adapter(src, dst, to, debug):
+    """Convert a LoRA/DoRA adapter between PEFT's and mlx-lm's layout (lossless, no runtime needed)."""
+    from .backends.adapters import convert_adapter as convert, read_adapter
+
+    out = convert(src, dst, to)
+    adapter = read_adapter(out)
+    click.echo(f"{src} -> {out} ({to}: {adapter.kind}, r={adapter.r}, alpha={adapter.alpha:g}, "
+               f"{len(adapter.modules)} modules)")
 
 
 def _table(result) -> str:

@@ -1,92 +1,160 @@
-"""Examples to padded numpy batches, in a deterministic, resumable order."""
+"""Examples to micro-batches in a deterministic, resumable order.
+
+Four ways to form batches, chosen by the config:
+
+- plain: ``micro_batch_size`` examples per batch, padded to the longest;
+- grouped (``group_by_length``): the same, but examples of similar length together;
+- token budget (``tokens_per_batch``): length-grouped batches whose padded
+  size (rows x longest) stays within the budget, so short examples come many
+  to a batch and long ones few;
+- packed (``packing``): examples packed into rows of ``sequence_len`` tokens,
+  ``micro_batch_size`` rows per batch (or as many as the token budget holds).
+
+Batches (or packed rows) are formed once from the seed; each epoch visits
+them in an order drawn from ``seed + epoch`` alone. A batcher's position is
+therefore two integers, and a resumed run sees exactly the batches an
+uninterrupted one would. This is also mlx-lm's design: fixed batches,
+shuffled order.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from .tokenize import Example
+from ..errors import MudpuppyError
+from .batch import IGNORE_INDEX, Batch, collate, collate_packed
+from .examples import Example
+from .packing import pack_sequences
 
-IGNORE_INDEX = -100
-
-
-@dataclass
-class Batch:
-    input_ids: np.ndarray        # int64 [B, T]
-    labels: np.ndarray           # int64 [B, T]; IGNORE_INDEX where no loss (already aligned: label t is the target for input t)
-    attention_mask: np.ndarray   # int64 [B, T]; 1 for real tokens
-
-    @property
-    def real_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
-    @property
-    def loss_tokens(self) -> int:
-        return int((self.labels != IGNORE_INDEX).sum())
-
-
-def collate(examples: list[Example], pad_id: int) -> Batch:
-    """Right-pad to the longest example; labels are next-token targets already shifted."""
-    width = max(len(e) for e in examples)
-    ids = np.full((len(examples), width), pad_id, dtype=np.int64)
-    labels = np.full((len(examples), width), IGNORE_INDEX, dtype=np.int64)
-    attn = np.zeros((len(examples), width), dtype=np.int64)
-    for row, ex in enumerate(examples):
-        n = len(ex)
-        ids[row, :n] = ex.input_ids
-        attn[row, :n] = 1
-        # Position t predicts token t+1; the target carries loss when token t+1 is trained.
-        targets = np.where(ex.loss_mask[1:], ex.input_ids[1:], IGNORE_INDEX)
-        labels[row, : n - 1] = targets
-    return Batch(ids, labels, attn)
+__all__ = ["IGNORE_INDEX", "Batch", "Batcher", "collate", "collate_packed", "fixed_batches",
+           "group_by_length", "group_by_token_budget"]
 
 
 class Batcher:
-    """Yields micro-batches epoch after epoch; its position is plain state for exact resume.
+    """Yields micro-batches epoch after epoch; its position is plain state for exact resume."""
 
-    The order of epoch e is a permutation drawn from ``seed + e`` alone, so a
-    resumed run sees exactly the batches an uninterrupted one would.
-    """
-
-    def __init__(self, examples: list[Example], micro_batch_size: int, pad_id: int, seed: int, shuffle: bool = True):
+    def __init__(self, examples: list[Example], micro_batch_size: int, pad_id: int, seed: int,
+                 shuffle: bool = True, *, packing: bool = False, sequence_len: int | None = None,
+                 tokens_per_batch: int | None = None, group_by_length: bool = False):
         if not examples:
             raise ValueError("no examples to batch")
+        if packing and sequence_len is None:
+            raise ValueError("packing needs sequence_len, the length of a packed row")
         self.examples = examples
         self.micro_batch_size = micro_batch_size
         self.pad_id = pad_id
         self.seed = seed
         self.shuffle = shuffle
+        self.packing = packing
+        self.mode, self._units, self._per_batch = plan_batches(
+            [len(e) for e in examples], micro_batch_size, seed, packing=packing, sequence_len=sequence_len,
+            tokens_per_batch=tokens_per_batch, by_length=group_by_length)
         self.epoch = 0
-        self.position = 0
+        self.position = 0          # units (examples, rows or batches) consumed this epoch
         self._order = self._order_for(0)
+
+    @classmethod
+    def from_config(cls, examples: list[Example], cfg, pad_id: int) -> Batcher:
+        """The batcher a RunConfig describes (training.micro_batch_size/seed, data.packing/...)."""
+        d, t = cfg.data, cfg.training
+        return cls(examples, t.micro_batch_size, pad_id, t.seed, d.shuffle, packing=d.packing,
+                   sequence_len=d.sequence_len, tokens_per_batch=d.tokens_per_batch,
+                   group_by_length=d.group_by_length)
 
     @property
     def batches_per_epoch(self) -> int:
-        return -(-len(self.examples) // self.micro_batch_size)
+        return -(-len(self._units) // self._per_batch)
 
     def _order_for(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
-            return np.arange(len(self.examples))
-        return np.random.default_rng(self.seed + epoch).permutation(len(self.examples))
+            return np.arange(len(self._units))
+        return np.random.default_rng(self.seed + epoch).permutation(len(self._units))
 
     def next_batch(self) -> Batch:
         if self.position >= len(self._order):
             self.epoch += 1
             self.position = 0
             self._order = self._order_for(self.epoch)
-        idx = self._order[self.position : self.position + self.micro_batch_size]
-        self.position += len(idx)
-        return collate([self.examples[i] for i in idx], self.pad_id)
+        take = self._order[self.position : self.position + self._per_batch]
+        self.position += len(take)
+        units = [self._units[u] for u in take]
+        if self.packing:
+            return collate_packed([[self.examples[i] for i in row] for row in units], self.pad_id)
+        return collate([self.examples[i] for unit in units for i in unit], self.pad_id)
+
+    def epoch_batches(self) -> list[Batch]:
+        """One epoch of batches in unshuffled order, without moving the batcher (for reports)."""
+        out = []
+        for start in range(0, len(self._units), self._per_batch):
+            units = self._units[start : start + self._per_batch]
+            if self.packing:
+                out.append(collate_packed([[self.examples[i] for i in row] for row in units], self.pad_id))
+            else:
+                out.append(collate([self.examples[i] for unit in units for i in unit], self.pad_id))
+        return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "mode": self.mode, "units": len(self._units)}
 
     def load_state_dict(self, state: dict) -> None:
+        # A state from different data or settings would silently resume elsewhere.
+        for key, mine in (("seed", self.seed), ("mode", self.mode), ("units", len(self._units))):
+            if key in state and state[key] != mine:
+                raise MudpuppyError(
+                    f"cannot resume: the saved batch order does not match this data (saved {key}={state[key]!r}, "
+                    f"now {mine!r}); the data, the seed or the batching settings changed since the checkpoint. "
+                    "Resume with the same data section, or start a fresh run")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._order_for(self.epoch)
 
 
+def plan_batches(lengths: list[int], micro_batch_size: int, seed: int, *, packing: bool = False,
+                 sequence_len: int | None = None, tokens_per_batch: int | None = None,
+                 by_length: bool = False) -> tuple[str, list[list[int]], int]:
+    """(mode, units, units per batch): a unit is an example, a packed row, or a whole batch."""
+    if packing:
+        rows = pack_sequences(lengths, sequence_len)
+        per_batch = max(1, tokens_per_batch // sequence_len) if tokens_per_batch else micro_batch_size
+        return "packed", rows, per_batch
+    if tokens_per_batch:
+        return "token_budget", group_by_token_budget(lengths, tokens_per_batch, seed), 1
+    if by_length:
+        return "by_length", group_by_length(lengths, micro_batch_size, seed), 1
+    return "plain", [[i] for i in range(len(lengths))], micro_batch_size
+
+
+def _length_order(lengths: list[int], seed: int) -> np.ndarray:
+    """Indices by length; equal lengths in an order drawn from the seed, so that ties do not
+    always put the same examples together."""
+    tiebreak = np.random.default_rng(seed).permutation(len(lengths))
+    return np.lexsort((tiebreak, np.asarray(lengths)))
+
+
+def group_by_length(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    order = _length_order(lengths, seed).tolist()
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def group_by_token_budget(lengths: list[int], budget: int, seed: int) -> list[list[int]]:
+    """Batches of similar length whose padded size (count x longest) is at most `budget`."""
+    too_long = [n for n in lengths if n > budget]
+    if too_long:
+        raise ValueError(f"{len(too_long)} examples are longer than tokens_per_batch={budget} "
+                         f"(longest {max(too_long)}); raise the budget or lower sequence_len")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in _length_order(lengths, seed).tolist():
+        # Ascending order: the newest example is the longest, so it sets the padded width.
+        if current and (len(current) + 1) * lengths[i] > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
 def fixed_batches(examples: list[Example], batch_size: int, pad_id: int) -> list[Batch]:
-    """Evaluation batches in file order, longest-first within nothing: simple and reproducible."""
+    """Evaluation batches in file order: simple and reproducible."""
     return [collate(examples[i : i + batch_size], pad_id) for i in range(0, len(examples), batch_size)]

@@ -1,103 +1,255 @@
-"""Config to tokenized train/validation sets: the one entry point pipelines call."""
+"""Config to tokenized train/validation sets: the entry points pipelines call.
+
+Two stages, so that data problems surface before any model loads:
+
+    loaded = load_data(cfg)                       # read, detect formats, validate; no tokenizer
+    data = prepare_sft_data(cfg, tokenizer, loaded)   # tokenize (or reuse the cache), split, weight
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from ..errors import DataError
-from .records import load_records
-from .tokenize import Example, require_chat_template, tokenize_chat, tokenize_text
+from . import cache
+from .examples import AnyExample, Example
+from .formats import check_method_format, detect_format, normalize_records, rename_fields
+from .readers import Record, is_local, read_source
+from .render import RenderOptions, instruction_prompt
+from .templates import apply_chat_template_choice, template_warnings
+from .tokenize import tokenize_records
+
+SKIPPED_SHOWN = 20     # bad-record locations kept for the report
 
 
 @dataclass
 class DataReport:
-    per_dataset: dict[str, int] = field(default_factory=dict)
+    per_dataset: dict[str, int] = field(default_factory=dict)   # dataset path -> examples kept
+    formats: dict[str, str] = field(default_factory=dict)       # dataset path -> format
     truncated: int = 0
-    dropped: int = 0
+    dropped: int = 0                 # too long (truncation: drop) or nothing to learn
+    dropped_too_long: int = 0
+    dropped_no_target: int = 0
+    skipped: int = 0                 # bad records left out (skip_bad_records)
+    skipped_at: list[str] = field(default_factory=list)
     train_examples: int = 0
     val_examples: int = 0
     loss_token_share: float = 0.0
+    cache: str = "off"               # off | fresh | written | reused
+    cache_path: str = ""
+    cache_created: str = ""
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
 class PreparedData:
-    train: list[Example]
+    train: list[Example]          # other example types for methods beyond SFT (see examples.py)
     val: list[Example]
     val_records: list[dict]       # raw records behind `val`, for generation checks
     report: DataReport
 
 
-def _tokenize_file(cfg, spec, tokenizer) -> tuple[list[Example], list[dict]]:
+@dataclass
+class LoadedDataset:
+    spec: object                  # the DatasetSpec
+    name: str                     # how errors and reports name it
+    format: str
+    records: list[Record]
+    fingerprint: str
+    skipped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoadedData:
+    train: list[LoadedDataset]
+    val: list[LoadedDataset]
+
+    def fingerprints(self) -> list[str]:
+        return [d.fingerprint for d in self.train + self.val]
+
+
+# --------------------------------------------------------------------------- stage 1: records
+
+def display_name(path: Path) -> str:
+    """A path as short as it can be while still pointing at the file from here."""
+    rel = os.path.relpath(path) if path.is_absolute() else str(path)
+    return rel if not rel.startswith("..") else str(path)
+
+
+def load_dataset(cfg, spec) -> LoadedDataset:
+    """Read one dataset and check every record against its format."""
+    tolerant = cfg.data.skip_bad_records
     path = cfg.resolve_path(spec.path)
-    fmt, records = load_records(path)
-    if spec.type not in ("auto", fmt):
-        raise DataError(str(path), None, f"declared type {spec.type!r} but the records are {fmt!r} format")
-    roles = set(spec.roles_to_train)
-    examples, kept = [], []
-    if fmt == "chat":
-        require_chat_template(tokenizer, str(path))
-    for lineno, record in records[: spec.num_samples]:
-        source = f"{path}:{lineno}"
-        if fmt == "chat":
-            ex = tokenize_chat(tokenizer, record["messages"], roles, source)
-        else:
-            ex = tokenize_text(tokenizer, record["text"], source)
-        examples.append(ex)
-        kept.append(record)
-    return examples, kept
+    name = display_name(path) if is_local(path) else spec.path
+    raw = read_source(path, name, split=spec.split, subset=spec.subset, tolerant=tolerant)
+    raw.records = raw.records[: spec.num_samples]
+    for rec in raw.records:
+        rec.data = rename_fields(rec.data, spec.field_map)
+    fmt = detect_format(raw, spec.type, tolerant)
+    records = normalize_records(raw, fmt, tolerant)
+    skipped = [f"{name}:{p.line}: {p.message}" if p.line is not None else f"{name}: {p.message}"
+               for p in raw.problems]
+    return LoadedDataset(spec, name, fmt, records, raw.fingerprint, skipped)
 
 
-def _fit_length(examples, records, max_len: int, policy: str, report: DataReport):
+def load_data(cfg, method: str | None = None) -> LoadedData:
+    """Every dataset read and validated, and its format checked against the method."""
+    method = method or cfg.method
+    loaded = LoadedData([load_dataset(cfg, s) for s in cfg.data.datasets],
+                        [load_dataset(cfg, s) for s in cfg.data.val_datasets])
+    for ds in loaded.train + loaded.val:
+        check_method_format(method, ds.format, ds.name)
+    return loaded
+
+
+# --------------------------------------------------------------------------- stage 2: tokens
+
+def render_options(spec, has_template: bool) -> RenderOptions:
+    chat = spec.prompt_style == "chat" or (spec.prompt_style == "auto" and has_template)
+    return RenderOptions(frozenset(spec.roles_to_train), spec.train_on_inputs, spec.train_on_eos, chat,
+                         spec.system_prompt)
+
+
+def tokenize_dataset(ds: LoadedDataset, tokenizer, has_template: bool) -> tuple[list[AnyExample], list[dict]]:
+    opts = render_options(ds.spec, has_template)
+    examples = tokenize_records(tokenizer, ds.format, ds.records, opts, ds.name)
+    return examples, [record_for_eval(ds.format, r.data, opts) for r in ds.records]
+
+
+def record_for_eval(fmt: str, data: dict, opts: RenderOptions) -> dict:
+    """The record as evaluation reads it: prompt/response data rendered as chat gets the
+    conversation it was trained as, so generation checks work on it too."""
+    if not opts.chat or fmt not in ("instruction", "completion"):
+        return data
+    if fmt == "instruction":
+        prompt, answer, system = instruction_prompt(data)[0], data["output"], data.get("system") or opts.system_prompt
+    else:
+        prompt, answer, system = data["prompt"], data["completion"], opts.system_prompt
+    if not isinstance(prompt, str) or not isinstance(answer, str):
+        return data
+    head = [{"role": "system", "content": system}] if system else []
+    return {**data, "messages": head + [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+
+
+def fit_length(examples: list, records: list[dict], max_len: int, policy: str, report: DataReport):
+    """Truncate or drop what is longer than `max_len`; drop what has nothing to learn."""
     out_ex, out_rec = [], []
     for ex, rec in zip(examples, records):
         if len(ex) > max_len:
             if policy == "drop":
-                report.dropped += 1
+                report.dropped_too_long += 1
                 continue
             report.truncated += 1
-            ex = Example(ex.input_ids[:max_len], ex.loss_mask[:max_len], ex.source)
-        if ex.loss_mask[1:].any():   # an example with no target teaches nothing
-            out_ex.append(ex)
-            out_rec.append(rec)
-        else:
-            report.dropped += 1
+            ex = ex.truncated(max_len)
+        if not ex.has_target():
+            report.dropped_no_target += 1
+            continue
+        out_ex.append(ex)
+        out_rec.append(rec)
+    report.dropped = report.dropped_too_long + report.dropped_no_target
     return out_ex, out_rec
 
 
-def prepare_sft_data(cfg, tokenizer) -> PreparedData:
+def split_validation(train: list, records: list[dict], origin: list[int], size: float, seed: int):
+    """Hold out `size` (a fraction or a count) of the training pool, drawn from the seed."""
+    n_val = int(size) if size >= 1 else max(1, round(len(train) * size))
+    if n_val >= len(train):
+        raise DataError("data.val_set_size", None,
+                        f"holds out {n_val} of {len(train)} examples, leaving none to train on")
+    held = set(np.random.default_rng(seed).permutation(len(train))[:n_val].tolist())
+    keep = [i for i in range(len(train)) if i not in held]
+    val_idx = sorted(held)
+    return ([train[i] for i in keep], [records[i] for i in keep], [origin[i] for i in keep],
+            [train[i] for i in val_idx], [records[i] for i in val_idx])
+
+
+def apply_weights(train: list, origin: list[int], weights: list[float | None], seed: int) -> list:
+    """Scale each dataset's share: weight 2 repeats it twice, 0.5 keeps a seeded half."""
+    if all(w is None or w == 1 for w in weights):
+        return train
+    out = []
+    for d, weight in enumerate(weights):
+        mine = [ex for ex, o in zip(train, origin) if o == d]
+        if weight is None or weight == 1 or not mine:
+            out += mine
+            continue
+        target = round(weight * len(mine))
+        whole, rest = divmod(target, len(mine))
+        extra = np.random.default_rng([seed, d]).choice(len(mine), rest, replace=False)
+        out += mine * whole + [mine[i] for i in sorted(extra.tolist())]
+    return out
+
+
+def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: str | None = None,
+                 use_cache: bool | None = None, write_cache: bool = False, refresh: bool = False) -> PreparedData:
+    """Tokenized train and validation examples for `method` (default: the config's).
+
+    With the cache on (``data.cache``, or `use_cache`), a matching entry
+    written by `mudpuppy preprocess` is reused unless `refresh`; with
+    `write_cache`, a freshly tokenized result is stored for later runs.
+    """
+    loaded = loaded or load_data(cfg, method)
+    template = apply_chat_template_choice(tokenizer, cfg.data.chat_template)
+    use_cache = cfg.data.cache if use_cache is None else use_cache
+    key = cache.cache_key(cfg, method or cfg.method, loaded.fingerprints(), tokenizer) if use_cache else None
+    root = cache.cache_root(cfg)
+    if key is not None and not refresh:
+        hit = cache.read_entry(root, key)
+        if hit is not None:
+            train, val, val_records, report_dict, created = hit
+            report = DataReport(**report_dict)
+            report.cache, report.cache_path, report.cache_created = "reused", str(root / key), created
+            return PreparedData(train, val, val_records, report)
+
+    prepared = tokenize_all(cfg, tokenizer, loaded, template is not None)
+    prepared.report.warnings += template_warnings(tokenizer, cfg.data.chat_template)
+    if key is not None:
+        prepared.report.cache = "fresh"
+        if write_cache:
+            path = cache.write_entry(root, key, prepared)
+            prepared.report.cache, prepared.report.cache_path = "written", str(path)
+    return prepared
+
+
+def tokenize_group(datasets: list[LoadedDataset], tokenizer, has_template: bool, cfg, report: DataReport):
+    """Examples, eval records and dataset index of each, for a list of datasets, length-fitted."""
+    examples, records, origin = [], [], []
+    for d, ds in enumerate(datasets):
+        ex, rec = fit_length(*tokenize_dataset(ds, tokenizer, has_template), cfg.data.sequence_len,
+                             cfg.data.truncation, report)
+        report.per_dataset[ds.spec.path] = len(ex)
+        report.formats[ds.spec.path] = ds.format
+        report.skipped += len(ds.skipped)
+        report.skipped_at += ds.skipped[: max(0, SKIPPED_SHOWN - len(report.skipped_at))]
+        examples += ex
+        records += rec
+        origin += [d] * len(ex)
+    return examples, records, origin
+
+
+def tokenize_all(cfg, tokenizer, loaded: LoadedData, has_template: bool) -> PreparedData:
     report = DataReport()
-    train, train_rec = [], []
-    for spec in cfg.data.datasets:
-        ex, rec = _tokenize_file(cfg, spec, tokenizer)
-        report.per_dataset[spec.path] = len(ex)
-        train += ex
-        train_rec += rec
-    train, train_rec = _fit_length(train, train_rec, cfg.data.sequence_len, cfg.data.truncation, report)
-
-    val, val_rec = [], []
-    for spec in cfg.data.val_datasets:
-        ex, rec = _tokenize_file(cfg, spec, tokenizer)
-        report.per_dataset[spec.path] = len(ex)
-        val += ex
-        val_rec += rec
-    val, val_rec = _fit_length(val, val_rec, cfg.data.sequence_len, cfg.data.truncation, report)
-
-    size = cfg.data.val_set_size
-    if size and not cfg.data.val_datasets:
-        n_val = int(size) if size >= 1 else max(1, round(len(train) * size))
-        if n_val >= len(train):
-            raise DataError("data.val_set_size", None, f"holds out {n_val} of {len(train)} examples, leaving none to train on")
-        order = np.random.default_rng(cfg.training.seed).permutation(len(train))
-        held = set(order[:n_val].tolist())
-        val = [train[i] for i in sorted(held)]
-        val_rec = [train_rec[i] for i in sorted(held)]
-        train = [train[i] for i in range(len(train)) if i not in held]
+    train, train_rec, origin = tokenize_group(loaded.train, tokenizer, has_template, cfg, report)
+    val, val_rec, _ = tokenize_group(loaded.val, tokenizer, has_template, cfg, report)
     if not train:
-        raise DataError(cfg.data.datasets[0].path, None, "no usable training examples after length filtering")
+        raise DataError(loaded.train[0].name, None, "no usable training examples after length filtering "
+                        f"({report.dropped_too_long} too long, {report.dropped_no_target} with no trained tokens)")
+    if cfg.data.val_set_size and not loaded.val:
+        train, train_rec, origin, val, val_rec = split_validation(
+            train, train_rec, origin, cfg.data.val_set_size, cfg.training.seed)
+    train = apply_weights(train, origin, [ds.spec.weight for ds in loaded.train], cfg.training.seed)
 
     report.train_examples, report.val_examples = len(train), len(val)
-    total = sum(len(e) for e in train)
-    report.loss_token_share = sum(int(e.loss_mask.sum()) for e in train) / max(total, 1)
+    seqs = [s for ex in train for s in ex.sequences()]
+    total = sum(len(s) for s in seqs)
+    report.loss_token_share = sum(int(s.loss_mask[1:].sum()) for s in seqs) / max(total, 1)
     return PreparedData(train, val, val_rec, report)
+
+
+def prepare_sft_data(cfg, tokenizer, loaded: LoadedData | None = None, **kwargs) -> PreparedData:
+    """SFT data: chat, text, instruction or completion datasets, as Examples."""
+    return prepare_data(cfg, tokenizer, loaded or load_data(cfg, "sft"), method="sft", **kwargs)

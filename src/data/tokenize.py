@@ -1,79 +1,180 @@
-"""Records to token arrays with loss masks, using the tokenizer's chat template.
+"""Rendered text to token ids and loss masks; records of any format to examples.
 
-Loss masks are found from character spans: the chat template renders the
-conversation once, each trained turn's span is the text the template adds for
-that turn, and a token carries loss when it starts inside such a span. This
-keeps the turn's closing marker (e.g. ``<|im_end|>``) in the loss, so the model
-learns to stop.
+A token carries loss when it starts inside a trained character span (see
+`render.py`). Texts are tokenized in batches with offsets, which fast
+tokenizers compute in Rust; a tokenizer without offsets falls back to
+tokenizing the text piece by piece, cut at the span boundaries.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 
-from ..errors import DataError
+from .examples import AnyExample, Example, LabeledExample, PairExample, PromptExample, StepExample
+from .readers import Record
+from .render import (
+    Rendered, RenderOptions, instruction_prompt, render_chat, render_conversation, render_prompt_only,
+    render_prompt_response, render_steps, render_text, trained_flags,
+)
+from .templates import require_chat_template
+
+BATCH = 512   # texts per tokenizer call: large enough to use the Rust threads, small enough to stay lean
 
 
-@dataclass
-class Example:
-    input_ids: np.ndarray      # int32 [T]
-    loss_mask: np.ndarray      # bool  [T]; True where the token is a training target
-    source: str = ""           # file:line, for reports
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-
-
-def require_chat_template(tokenizer, where: str) -> None:
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            where, None,
-            "chat data needs a chat template, and this tokenizer has none; "
-            "set data.chat_template to a built-in template, or use a tokenizer that ships one",
-        )
+def tokenize_rendered(tokenizer, items: list[Rendered], train_on_eos: str = "turn",
+                      sources: list[str] | None = None) -> list[Example]:
+    """One Example per rendered text, masks from its trained spans under the EOS policy."""
+    sources = sources or [""] * len(items)
+    out: list[Example | None] = [None] * len(items)
+    for flag in (False, True):
+        idx = [i for i, r in enumerate(items) if r.add_special_tokens == flag]
+        for start in range(0, len(idx), BATCH):
+            chunk = idx[start : start + BATCH]
+            encoded = encode_with_offsets(tokenizer, [items[i] for i in chunk], flag)
+            for i, (ids, offsets) in zip(chunk, encoded):
+                out[i] = build_example(tokenizer, items[i], ids, offsets, train_on_eos, sources[i])
+    return out  # type: ignore[return-value]
 
 
-def trained_spans(tokenizer, messages: list[dict], roles: set[str]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of turns whose role is trained."""
-    full = render_chat(tokenizer, messages)
-    spans = []
-    for i, msg in enumerate(messages):
-        if msg["role"] not in roles or msg.get("train") is False:
-            continue
-        before = render_chat(tokenizer, messages[:i], add_generation_prompt=msg["role"] == "assistant") if i else ""
-        upto = render_chat(tokenizer, messages[: i + 1])
-        if not full.startswith(upto) or not upto.startswith(before):
-            raise DataError("chat template", None, "the chat template does not render conversations as a growing prefix; masks cannot be derived from it")
-        spans.append((len(before), len(upto)))
-    return full, spans
+def encode_with_offsets(tokenizer, items: list[Rendered], add_special_tokens: bool) -> list[tuple[list[int], np.ndarray]]:
+    """(ids, character offsets [T, 2]) per rendered text."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer([r.text for r in items], add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        return [(ids, np.asarray(off, dtype=np.int64).reshape(-1, 2))
+                for ids, off in zip(enc["input_ids"], enc["offset_mapping"])]
+    return [encode_by_pieces(tokenizer, r, add_special_tokens) for r in items]
 
 
-def tokenize_chat(tokenizer, messages: list[dict], roles: set[str], source: str = "") -> Example:
-    text, spans = trained_spans(tokenizer, messages, roles)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int32)
-    mask = np.zeros(len(ids), dtype=bool)
-    for t, (start, end) in enumerate(enc["offset_mapping"]):
-        if end > start:
-            mask[t] = any(lo <= start < hi for lo, hi in spans)
-    return Example(ids, mask, source)
+def encode_by_pieces(tokenizer, item: Rendered, add_special_tokens: bool) -> tuple[list[int], np.ndarray]:
+    """Offsets for a tokenizer that computes none: cut the text at every span boundary and
+    tokenize the pieces apart, each token attributed to the start of its piece. Token
+    boundaries at the cuts may differ from whole-text tokenization; masks are exact."""
+    text = item.text
+    cuts = {0, len(text)} | {a for a, _, _ in item.spans} | {b for _, b, _ in item.spans}
+    cuts |= {c + 1 for c in item.anchors}
+    bounds = sorted(c for c in cuts if 0 <= c <= len(text))
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    if add_special_tokens:
+        prefix = tokenizer("", add_special_tokens=True)["input_ids"]
+        ids += prefix
+        offsets += [(0, 0)] * len(prefix)
+    for a, b in zip(bounds, bounds[1:]):
+        piece_ids = tokenizer(text[a:b], add_special_tokens=False)["input_ids"]
+        ids += piece_ids
+        offsets += [(a, b)] * len(piece_ids)
+    return ids, np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
 
 
-def tokenize_text(tokenizer, text: str, source: str = "") -> Example:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if tokenizer.eos_token_id is not None:
-        ids = list(ids) + [tokenizer.eos_token_id]
-    ids = np.asarray(ids, dtype=np.int32)
-    return Example(ids, np.ones(len(ids), dtype=bool), source)
+def build_example(tokenizer, item: Rendered, ids: list[int], offsets: np.ndarray,
+                  train_on_eos: str, source: str) -> Example:
+    ids_arr = np.asarray(ids, dtype=np.int32)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    real = ends > starts                      # special tokens added by the tokenizer have empty offsets
+    spans = item.trained_spans(train_on_eos)
+    mask = np.zeros(len(ids_arr), dtype=bool)
+    if spans:
+        lo = np.asarray([a for a, _ in spans])
+        hi = np.asarray([b for _, b in spans])
+        k = np.searchsorted(lo, starts, side="right") - 1
+        mask = real & (k >= 0) & (starts < hi[np.maximum(k, 0)])
+    if item.anchors:
+        mask[:] = False
+        real_idx = np.flatnonzero(real)
+        at = np.searchsorted(starts[real_idx], np.asarray(item.anchors), side="right") - 1
+        mask[real_idx[at]] = True
+    eos = tokenizer.eos_token_id
+    if item.append_eos and eos is not None and (len(ids_arr) == 0 or ids_arr[-1] != eos):
+        ids_arr = np.append(ids_arr, np.int32(eos))
+        mask = np.append(mask, train_on_eos != "none")
+    return Example(ids_arr, mask, source)
 
+
+# --------------------------------------------------------------------------- formats
+
+def tokenize_records(tokenizer, fmt: str, records: list[Record], opts: RenderOptions,
+                     name: str) -> list[AnyExample]:
+    """One example per record, of the type the format calls for (see `examples.py`)."""
+    if needs_template(fmt, records, opts):
+        require_chat_template(tokenizer, name)
+    render, assemble = _FORMATS[fmt]
+    sources = [f"{name}:{r.line}" if r.line is not None else f"{name} row {r.row}" for r in records]
+    rendered = [render(tokenizer, r.data, opts) for r in records]
+    per_record = [len(x) if isinstance(x, tuple) else 1 for x in rendered]
+    flat = [x for group in rendered for x in (group if isinstance(group, tuple) else (group,))]
+    flat_sources = [s for s, n in zip(sources, per_record) for _ in range(n)]
+    examples = tokenize_rendered(tokenizer, flat, opts.train_on_eos, flat_sources)
+    out, at = [], 0
+    for rec, n, src in zip(records, per_record, sources):
+        out.append(assemble(rec.data, examples[at : at + n], src))
+        at += n
+    return out
+
+
+def needs_template(fmt: str, records: list[Record], opts: RenderOptions) -> bool:
+    """Chat data, message lists anywhere, or prompts rendered as chat need a template."""
+    if fmt in ("text", "reward", "prm"):
+        return False
+    if fmt == "chat" or opts.chat:
+        return True
+    keys = ("prompt", "completion", "chosen", "rejected")
+    return any(isinstance(r.data.get(k), list) for r in records for k in keys)
+
+
+def _chat(tok, rec, opts):
+    return render_conversation(tok, rec["messages"], trained_flags(rec["messages"], opts))
+
+
+def _instruction(tok, rec, opts):
+    chat_prompt, alpaca = instruction_prompt(rec)
+    if rec.get("system"):
+        opts = replace(opts, system_prompt=rec["system"])
+    return render_prompt_response(tok, chat_prompt, rec["output"], opts, raw_prompt=alpaca)
+
+
+def _completion(tok, rec, opts):
+    return render_prompt_response(tok, rec["prompt"], rec["completion"], opts)
+
+
+def _preference(tok, rec, opts):
+    return (render_prompt_response(tok, rec["prompt"], rec["chosen"], opts),
+            render_prompt_response(tok, rec["prompt"], rec["rejected"], opts))
+
+
+def _reward(tok, rec, opts):
+    return Rendered(rec["text"], [], add_special_tokens=True, append_eos=True)
+
+
+def _score_at_end(rec, exs, src):
+    ex = exs[0]
+    mask = np.zeros(len(ex), dtype=bool)
+    mask[-1:] = True
+    return LabeledExample(Example(ex.input_ids, mask, src), rec["label"], src)
+
+
+def _rl_fields(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k != "prompt"}
+
+
+_FORMATS: dict[str, tuple[Callable, Callable]] = {
+    "chat": (_chat, lambda rec, exs, src: exs[0]),
+    "text": (lambda tok, rec, opts: render_text(rec["text"]), lambda rec, exs, src: exs[0]),
+    "instruction": (_instruction, lambda rec, exs, src: exs[0]),
+    "completion": (_completion, lambda rec, exs, src: exs[0]),
+    "kto": (_completion, lambda rec, exs, src: LabeledExample(exs[0], rec["label"], src)),
+    "preference": (_preference, lambda rec, exs, src: PairExample(exs[0], exs[1], src)),
+    "reward": (_reward, _score_at_end),
+    "rl": (lambda tok, rec, opts: render_prompt_only(tok, rec["prompt"], opts),
+           lambda rec, exs, src: PromptExample(exs[0], _rl_fields(rec), src)),
+    "prm": (lambda tok, rec, opts: render_steps(rec["prompt"], rec["completions"]),
+            lambda rec, exs, src: StepExample(exs[0], np.asarray(rec["labels"], dtype=bool), src)),
+}
+
+
+# --------------------------------------------------------------------------- generation
 
 def generation_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
     """Prompt ids up to the last assistant turn, and that turn's text (the reference answer)."""

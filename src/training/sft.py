@@ -1,7 +1,8 @@
 """Supervised fine-tuning: one readable recipe, written against the backend protocol.
 
-Supports: chat (loss on trained roles, assistant by default) and plain-text
-data; full fine-tuning, LoRA and DoRA; AdamW, SGD or Adafactor; linear,
+Supports: chat, text, instruction and completion data (loss on the trained
+roles / the response; see docs/data.md), exact packing and token-budget
+batching; full fine-tuning, LoRA and DoRA; AdamW, SGD or Adafactor; linear,
 cosine, cosine-with-restarts, polynomial or constant schedules with warmup;
 gradient accumulation weighted by tokens; clipping; bf16 autocast where the
 device has it; held-out loss every N steps with early stopping; atomic
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data import Batcher, prepare_sft_data
+from ..data import Batcher, load_data, prepare_sft_data
 from ..errors import MudpuppyError
 from ..evaluation import EvalResult, evaluate, heldout_loss
 from . import checkpoints, outputs
@@ -95,13 +96,13 @@ def checkpoint_identity(cfg) -> dict:
 
 def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     started = time.perf_counter()
+    # -- setup: data problems surface before any model loads or anything is written
+    loaded = load_data(cfg, "sft")
     out, resume_from = outputs.prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
     outputs.write_config(out, cfg)
-
-    # -- setup
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision)
-    data = prepare_sft_data(cfg, handle.tokenizer)
+    data = prepare_sft_data(cfg, handle.tokenizer, loaded)
     rep = data.report
     echo(f"data: {rep.train_examples} train / {rep.val_examples} held-out examples, "
          f"{rep.loss_token_share:.0%} of tokens carry loss, {rep.truncated} truncated, {rep.dropped} dropped")
@@ -114,8 +115,7 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     info = backend.attach_adapter(handle, cfg.adapter)
     echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters")
     trainer = backend.create_trainer(handle, cfg.training)
-    batcher = Batcher(data.train, cfg.training.micro_batch_size, handle.tokenizer.pad_token_id,
-                      cfg.training.seed, cfg.data.shuffle)
+    batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
     steps = total_steps_for(cfg, batcher)
     if resume_from is not None:
         state = _restore(cfg, backend, handle, trainer, batcher, resume_from, out)

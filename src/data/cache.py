@@ -1,0 +1,166 @@
+"""Tokenized data on disk, keyed by everything that decides it.
+
+The key hashes the bytes of every data file (or a hub dataset's fingerprint),
+the tokenizer (vocabulary, merges, special tokens, chat template) and the
+data settings that change tokens or masks. Anything else (packing, batch
+sizes, shuffling) is applied after loading, so changing it keeps the cache.
+An entry is a directory holding ``arrays.npz`` and ``meta.json``, written to
+a temporary name and renamed, so a crash never leaves a half entry behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from .examples import AnyExample, Example, LabeledExample, PairExample, PromptExample, StepExample
+
+# Bump when tokenization or the entry layout changes: older entries are then ignored.
+CACHE_VERSION = 1
+
+# DataConfig fields that only affect batching, not tokens: they stay out of the key.
+BATCHING_ONLY = ("packing", "tokens_per_batch", "group_by_length", "shuffle", "cache", "cache_dir")
+
+
+def default_cache_dir() -> Path:
+    """<mudpuppy cache>/data; $MUDPUPPY_CACHE moves the whole cache (as for converted models)."""
+    explicit = os.environ.get("MUDPUPPY_CACHE")
+    if explicit:
+        return Path(explicit).expanduser() / "data"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "mudpuppy" / "data"
+
+
+def cache_root(cfg) -> Path:
+    return cfg.resolve_path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
+
+
+def fingerprint_tokenizer(tokenizer) -> str:
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    special = [type(tokenizer).__name__, getattr(tokenizer, "chat_template", None),
+               tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, getattr(tokenizer, "add_bos_token", None)]
+    h.update(json.dumps(special, default=str).encode())
+    return h.hexdigest()
+
+
+def cache_key(cfg, method: str, source_fingerprints: list[str], tokenizer) -> str:
+    data = cfg.data.model_dump(mode="json", exclude=set(BATCHING_ONLY))
+    parts = {"version": CACHE_VERSION, "sources": source_fingerprints, "tokenizer": fingerprint_tokenizer(tokenizer),
+             "data": data, "seed": cfg.training.seed, "method": method}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+# --------------------------------------------------------------------------- (de)serialising examples
+
+def to_parts(item: AnyExample) -> tuple[list[Example], dict]:
+    """The sequences an example is made of, and its other fields (JSON-able)."""
+    if isinstance(item, Example):
+        return [item], {"kind": "example"}
+    if isinstance(item, PairExample):
+        return [item.chosen, item.rejected], {"kind": "pair"}
+    if isinstance(item, LabeledExample):
+        return [item.example], {"kind": "labeled", "label": item.label}
+    if isinstance(item, StepExample):
+        return [item.example], {"kind": "steps", "step_labels": item.step_labels.tolist()}
+    if isinstance(item, PromptExample):
+        return [item.prompt], {"kind": "prompt", "fields": item.fields}
+    raise TypeError(f"cannot cache {type(item).__name__}")
+
+
+def from_parts(seqs: list[Example], meta: dict, source: str) -> AnyExample:
+    kind = meta["kind"]
+    if kind == "example":
+        return seqs[0]
+    if kind == "pair":
+        return PairExample(seqs[0], seqs[1], source)
+    if kind == "labeled":
+        return LabeledExample(seqs[0], meta["label"], source)
+    if kind == "steps":
+        return StepExample(seqs[0], np.asarray(meta["step_labels"], dtype=bool), source)
+    return PromptExample(seqs[0], meta["fields"], source)
+
+
+def pack_split(items: list[AnyExample], prefix: str) -> tuple[dict[str, np.ndarray], list[dict]]:
+    ids, masks, lengths, metas = [], [], [], []
+    for item in items:
+        seqs, meta = to_parts(item)
+        meta["source"] = item.source
+        meta["sources"] = [s.source for s in seqs]
+        metas.append(meta)
+        for s in seqs:
+            ids.append(s.input_ids)
+            masks.append(s.loss_mask)
+            lengths.append(len(s))
+    arrays = {
+        f"{prefix}_ids": np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32),
+        f"{prefix}_mask": np.concatenate(masks).astype(bool) if masks else np.zeros(0, bool),
+        f"{prefix}_lengths": np.asarray(lengths, dtype=np.int64),
+    }
+    return arrays, metas
+
+
+def unpack_split(arrays, metas: list[dict], prefix: str) -> list[AnyExample]:
+    ids, mask, lengths = arrays[f"{prefix}_ids"], arrays[f"{prefix}_mask"], arrays[f"{prefix}_lengths"]
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    out, k = [], 0
+    for meta in metas:
+        seqs = []
+        for src in meta["sources"]:
+            a, b = starts[k], starts[k + 1]
+            seqs.append(Example(ids[a:b].copy(), mask[a:b].copy(), src))
+            k += 1
+        out.append(from_parts(seqs, meta, meta["source"]))
+    return out
+
+
+# --------------------------------------------------------------------------- entries
+
+def write_entry(root: Path, key: str, prepared) -> Path:
+    """Store a PreparedData under `key`; returns the entry directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / key
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    try:
+        train_arrays, train_meta = pack_split(prepared.train, "train")
+        val_arrays, val_meta = pack_split(prepared.val, "val")
+        np.savez(staging / "arrays.npz", **train_arrays, **val_arrays)
+        meta = {"version": CACHE_VERSION, "key": key, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "train": train_meta, "val": val_meta, "val_records": prepared.val_records,
+                "report": asdict(prepared.report)}
+        (staging / "meta.json").write_text(json.dumps(meta, default=str))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def read_entry(root: Path, key: str):
+    """(train, val, val_records, report dict, created) from a complete entry, or None."""
+    entry = root / key
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        if meta.get("version") != CACHE_VERSION or meta.get("key") != key:
+            return None
+        with np.load(entry / "arrays.npz", allow_pickle=False) as arrays:
+            train = unpack_split(arrays, meta["train"], "train")
+            val = unpack_split(arrays, meta["val"], "val")
+    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        return None     # absent, partial or foreign: tokenize afresh
+    return train, val, meta["val_records"], meta["report"], meta["created"]

@@ -1,0 +1,285 @@
+"""Dataset files (and hub datasets) to plain dict records, each tagged with where it came from.
+
+JSONL and JSON are parsed here, line by line, so that every problem names
+its line. CSV and Parquet go through pandas and pyarrow (the libraries
+`datasets` itself uses) and name the row; hub datasets go through
+`datasets.load_dataset`. Nothing here knows about formats: see `formats.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import DataError
+
+LOCAL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet")
+
+
+@dataclass
+class Record:
+    data: dict
+    row: int                  # 1-based position among the file's records
+    line: int | None = None   # 1-based line in the file, where the file has lines
+
+    def where(self) -> str:
+        return f"line {self.line}" if self.line is not None else f"row {self.row}"
+
+
+@dataclass
+class Problem:
+    """A bad record, kept instead of raised when `skip_bad_records` is on."""
+
+    line: int | None
+    message: str
+
+
+@dataclass
+class RawSource:
+    name: str                          # file path or hub name, as shown to the user
+    records: list[Record]
+    fingerprint: str                   # changes whenever the content does
+    problems: list[Problem] = field(default_factory=list)
+
+
+def record_error(name: str, record: Record, message: str) -> DataError:
+    """A DataError at a record: file:line when the file has lines, else 'row N' in the message."""
+    if record.line is not None:
+        return DataError(name, record.line, message)
+    return DataError(name, None, f"row {record.row}: {message}")
+
+
+def is_local(path: Path) -> bool:
+    """A data file (present or not) rather than a hub dataset name."""
+    return path.exists() or path.suffix.lower() in LOCAL_SUFFIXES
+
+
+def read_source(path: Path, name: str, *, split: str = "train", subset: str | None = None,
+                tolerant: bool = False) -> RawSource:
+    """Read a local file by its suffix, or else the hub dataset called `name`."""
+    if is_local(path):
+        return read_file(path, name, tolerant)
+    return read_hub(name, split, subset)
+
+
+def read_file(path: Path, display: str, tolerant: bool = False) -> RawSource:
+    if not path.is_file():
+        what = "is a directory, not a data file" if path.is_dir() else "file not found"
+        raise DataError(display, None, f"{what} (looked at {path})")
+    suffix = path.suffix.lower()
+    readers = {".jsonl": read_jsonl, ".ndjson": read_jsonl, ".json": read_json,
+               ".csv": read_csv, ".tsv": read_csv, ".parquet": read_parquet}
+    if suffix not in readers:
+        raise DataError(display, None, f"unsupported file type {suffix or '(none)'!r}; "
+                                       f"use one of {', '.join(LOCAL_SUFFIXES)}")
+    raw = path.read_bytes()
+    source = readers[suffix](raw, display, tolerant, path)
+    if not source.records and not source.problems:
+        raise DataError(display, None, "the file holds no records")
+    if not source.records:
+        raise DataError(display, source.problems[0].line,
+                        f"no usable records: all {len(source.problems)} were bad; the first: {source.problems[0].message}")
+    return source
+
+
+def fingerprint_bytes(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def find_bad_utf8(raw: bytes) -> tuple[int, str] | None:
+    """(line, description) of the first byte that is not UTF-8, or None."""
+    try:
+        raw.decode("utf-8")
+        return None
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - raw.rfind(b"\n", 0, exc.start)
+        bad = raw[exc.start:exc.start + 1]
+        return line, f"not UTF-8 text (byte {bad!r} at column {column}); re-save the file as UTF-8"
+
+
+# --------------------------------------------------------------------------- JSON lines
+
+def read_jsonl(raw: bytes, name: str, tolerant: bool, path: Path | None = None) -> RawSource:
+    """One JSON object per line; blank lines are skipped."""
+    source = RawSource(name, [], fingerprint_bytes(raw))
+    for lineno, line_bytes in enumerate(raw.split(b"\n"), start=1):
+        try:
+            record = parse_json_line(line_bytes, name, lineno)
+        except DataError as exc:
+            if not tolerant:
+                raise
+            source.problems.append(Problem(lineno, exc.detail))
+            continue
+        if record is not None:
+            source.records.append(Record(record, len(source.records) + 1, lineno))
+    return source
+
+
+def parse_json_line(line_bytes: bytes, name: str, lineno: int) -> dict | None:
+    try:
+        line = line_bytes.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = line_bytes[exc.start:exc.start + 1]
+        raise DataError(name, lineno, f"not UTF-8 text (byte {bad!r} at column {exc.start + 1}); "
+                                      "re-save the file as UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(name, lineno, f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(record, dict):
+        raise DataError(name, lineno, f"expected a JSON object {{...}}, found {_json_kind(record)}")
+    return record
+
+
+def _json_kind(value) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(value), "a number")
+
+
+# --------------------------------------------------------------------------- JSON
+
+def read_json(raw: bytes, name: str, tolerant: bool, path: Path | None = None) -> RawSource:
+    """A JSON array of objects (each tagged with the line it starts on), an object holding
+    one such array (e.g. {"data": [...]}), or JSON lines saved with a .json suffix."""
+    bad = find_bad_utf8(raw)
+    if bad:
+        raise DataError(name, *bad)
+    text = raw.decode("utf-8")
+    start = _skip_ws(text, 0)
+    if start == len(text):
+        raise DataError(name, None, "the file holds no records")
+    if text[start] != "[":
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            return read_jsonl(raw, name, tolerant)     # JSON lines under a .json name
+        arrays = [k for k, v in whole.items() if isinstance(v, list)] if isinstance(whole, dict) else []
+        if isinstance(whole, dict) and len(arrays) == 1 and len(whole) == 1:
+            start = text.index("[", start)
+        else:
+            return read_jsonl(raw, name, tolerant)     # a single object: one JSON line
+    return _read_json_array(text, start, name, fingerprint_bytes(raw), tolerant)
+
+
+def _read_json_array(text: str, pos: int, name: str, fingerprint: str, tolerant: bool) -> RawSource:
+    decoder = json.JSONDecoder()
+    source = RawSource(name, [], fingerprint)
+    pos = _skip_ws(text, pos + 1)
+    while pos < len(text) and text[pos] != "]":
+        line = text.count("\n", 0, pos) + 1
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            raise DataError(name, exc.lineno, f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+        if isinstance(value, dict):
+            source.records.append(Record(value, len(source.records) + 1, line))
+        elif tolerant:
+            source.problems.append(Problem(line, f"expected a JSON object {{...}}, found {_json_kind(value)}"))
+        else:
+            raise DataError(name, line, f"expected a JSON object {{...}}, found {_json_kind(value)}")
+        pos = _skip_ws(text, end)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_ws(text, pos + 1)
+        elif pos < len(text) and text[pos] != "]":
+            line = text.count("\n", 0, pos) + 1
+            raise DataError(name, line, f"malformed JSON: expected ',' or ']' between records, found {text[pos]!r}")
+    if pos >= len(text):
+        raise DataError(name, text.count("\n") + 1, "malformed JSON: the array is never closed with ']'")
+    return source
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+# --------------------------------------------------------------------------- tables
+
+def read_csv(raw: bytes, name: str, tolerant: bool, path: Path) -> RawSource:
+    """A header row, then one record per row, each tagged with the line it starts on."""
+    import io
+
+    import pandas as pd
+
+    bad = find_bad_utf8(raw)
+    if bad:
+        raise DataError(name, *bad)
+    sep = "\t" if path.suffix.lower() == ".tsv" else ","
+    try:
+        # Only empty cells are missing: a text "NA" or "null" stays text.
+        frame = pd.read_csv(io.BytesIO(raw), sep=sep, keep_default_na=False, na_values=[""],
+                            dtype_backend="numpy_nullable")
+    except pd.errors.EmptyDataError:
+        raise DataError(name, None, "the file holds no records") from None
+    except pd.errors.ParserError as exc:
+        raise DataError(name, None, f"malformed CSV: {exc}") from None
+    frame = frame.astype(object).where(frame.notna(), None)
+    lines = _csv_row_lines(raw.decode("utf-8"), sep)
+    records = [Record(_drop_missing(r), i + 1, lines[i] if i < len(lines) else None)
+               for i, r in enumerate(frame.to_dict("records"))]
+    return RawSource(name, records, fingerprint_bytes(raw))
+
+
+def _csv_row_lines(text: str, sep: str) -> list[int]:
+    """The line each data row starts on (quoted cells may span lines); blank lines hold no row."""
+    import csv
+
+    reader = csv.reader(text.splitlines(keepends=True), delimiter=sep)
+    starts, consumed = [], 0
+    for row in reader:
+        if row and consumed > 0:
+            starts.append(consumed + 1)
+        consumed = reader.line_num
+    return starts
+
+
+def read_parquet(raw: bytes, name: str, tolerant: bool, path: Path) -> RawSource:
+    import io
+
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(io.BytesIO(raw))
+    except Exception as exc:   # pyarrow raises several unrelated types for a bad file
+        raise DataError(name, None, f"not a readable Parquet file ({exc})") from None
+    records = [Record(_drop_missing(r), i + 1) for i, r in enumerate(table.to_pylist())]
+    return RawSource(name, records, fingerprint_bytes(raw))
+
+
+def _drop_missing(row: dict) -> dict:
+    """Missing cells become absent fields, as in JSON lines; numpy scalars become Python ones."""
+    out = {}
+    for key, value in row.items():
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        if type(value).__module__ == "numpy" and hasattr(value, "item"):
+            value = value.item()
+        out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------- hub
+
+def read_hub(name: str, split: str, subset: str | None) -> RawSource:
+    """A dataset from the Hugging Face Hub (or the local `datasets` cache when offline)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(name, None, "reading hub datasets needs the `datasets` package: pip install datasets") from None
+    try:
+        ds = datasets.load_dataset(name, subset, split=split)
+    except Exception as exc:   # network, missing dataset, bad split: all one message for the user
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(name, None, f"no local file by this name, and loading it as a hub dataset failed: {reason}") from None
+    records = [Record(_drop_missing(r), i + 1) for i, r in enumerate(ds)]
+    if not records:
+        raise DataError(name, None, f"split {split!r} holds no records")
+    fingerprint = hashlib.sha256(f"{name}|{subset}|{split}|{ds._fingerprint}".encode()).hexdigest()
+    return RawSource(name, records, fingerprint)

@@ -1,0 +1,104 @@
+"""What the data looks like once tokenized: counts, lengths, loss share, packing, samples.
+
+`mudpuppy preprocess` prints this; the numbers are computed from prepared
+data alone, so a cached run reports exactly what a fresh one would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batching import Batcher
+from .examples import Example
+from .packing import packing_efficiency
+from .prepare import PreparedData
+
+PERCENTILES = (50, 90, 99)
+OPEN, CLOSE = "[[", "]]"     # around loss-carrying tokens in decoded samples
+
+
+@dataclass
+class LengthStats:
+    count: int
+    tokens: int
+    minimum: int
+    maximum: int
+    mean: float
+    percentiles: dict[int, int]
+
+
+def length_stats(examples: list) -> LengthStats | None:
+    lengths = np.asarray([len(s) for ex in examples for s in ex.sequences()])
+    if not len(lengths):
+        return None
+    pct = {p: int(np.percentile(lengths, p, method="nearest")) for p in PERCENTILES}
+    return LengthStats(len(examples), int(lengths.sum()), int(lengths.min()), int(lengths.max()),
+                       float(lengths.mean()), pct)
+
+
+def batching_efficiency(examples: list[Example], cfg, pad_id: int) -> tuple[float, int]:
+    """(share of batch slots holding real tokens, batches per epoch) under the config's batching."""
+    batcher = Batcher.from_config(examples, cfg, pad_id)
+    batches = batcher.epoch_batches()
+    real = sum(b.real_tokens for b in batches)
+    slots = sum(b.input_ids.size for b in batches)
+    return real / max(slots, 1), len(batches)
+
+
+def describe_batching(cfg) -> str:
+    d, t = cfg.data, cfg.training
+    if d.packing:
+        per = f"{d.tokens_per_batch // d.sequence_len} rows" if d.tokens_per_batch else f"{t.micro_batch_size} rows"
+        return f"packed rows of {d.sequence_len}, {per} per batch"
+    if d.tokens_per_batch:
+        return f"token budget {d.tokens_per_batch} per batch, grouped by length"
+    grouped = ", grouped by length" if d.group_by_length else ""
+    return f"micro_batch_size {t.micro_batch_size}, padded{grouped}"
+
+
+def mark_loss_tokens(tokenizer, ex: Example) -> str:
+    """Decoded text with each run of loss-carrying tokens wrapped in [[ ]]."""
+    parts, start = [], 0
+    ids, mask = ex.input_ids.tolist(), ex.loss_mask.tolist()
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or mask[t] != mask[start]:
+            text = tokenizer.decode(ids[start:t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            parts.append(f"{OPEN}{text}{CLOSE}" if mask[start] else text)
+            start = t
+    return "".join(parts)
+
+
+def format_report(prepared: PreparedData, cfg, tokenizer, samples: int = 0) -> list[str]:
+    rep = prepared.report
+    lines = []
+    for path, n in rep.per_dataset.items():
+        lines.append(f"  {path}: {rep.formats.get(path, '?')}, {n} examples")
+    lines.append(f"train: {rep.train_examples} examples; validation: {rep.val_examples} examples")
+    for label, exs in (("train", prepared.train), ("validation", prepared.val)):
+        st = length_stats(exs)
+        if st is None:
+            continue
+        pct = "  ".join(f"p{p} {v}" for p, v in st.percentiles.items())
+        lines.append(f"{label} tokens: {st.tokens:,}; per sequence: min {st.minimum}  {pct}  max {st.maximum}  "
+                     f"(mean {st.mean:.1f}, sequence_len {cfg.data.sequence_len})")
+    lines.append(f"truncated: {rep.truncated}; dropped: {rep.dropped} ({rep.dropped_too_long} too long, "
+                 f"{rep.dropped_no_target} with no trained tokens); bad records skipped: {rep.skipped}")
+    for where in rep.skipped_at:
+        lines.append(f"  skipped {where}")
+    lines.append(f"loss-carrying tokens: {rep.loss_token_share:.1%} of training tokens")
+    plain = [ex for ex in prepared.train if isinstance(ex, Example)]
+    if plain:
+        eff, rows = packing_efficiency([len(e) for e in plain], cfg.data.sequence_len)
+        lines.append(f"packing: {eff:.1%} of slots filled ({rows} rows of {cfg.data.sequence_len})"
+                     + ("" if cfg.data.packing else "  [data.packing is off]"))
+        eff, n = batching_efficiency(plain, cfg, tokenizer.pad_token_id or 0)
+        lines.append(f"batching ({describe_batching(cfg)}): {n} batches per epoch, {eff:.1%} of slots are real tokens")
+    lines += [f"warning: {w}" for w in rep.warnings]
+    for i, ex in enumerate(prepared.train[:samples], start=1):
+        for j, seq in enumerate(ex.sequences()):
+            tag = "" if len(ex.sequences()) == 1 else (" chosen" if j == 0 else " rejected")
+            lines.append(f"--- sample {i}{tag} ({seq.source}); loss-carrying tokens in {OPEN} {CLOSE}")
+            lines.append(mark_loss_tokens(tokenizer, seq))
+    return lines
