@@ -44,6 +44,21 @@ debug_option = click.option("--debug", is_flag=True, help="Show tracebacks for u
 @click.version_option(package_name="mudpuppy")
 def main():
     """Fine-tune language models on ROCm, CUDA, CPU or MLX from one YAML file."""
+    _quiet_libraries()
+
+
+def _quiet_libraries() -> None:
+    """Keep the terminal to mudpuppy's own lines: no per-file loading bars, no library deprecation chatter.
+
+    Must run before transformers / huggingface_hub are imported: they read these once.
+    """
+    import os
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
 
 
 @main.command()

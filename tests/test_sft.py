@@ -122,3 +122,15 @@ def test_gradient_accumulation_matches_one_large_batch(tiny_config):
     a = run(load_config(one), create_backend("cpu"), echo=lambda *_: None)
     b = run(load_config(two), create_backend("cpu"), echo=lambda *_: None)
     np.testing.assert_allclose(a.losses, b.losses, rtol=1e-5)
+
+
+def test_bad_data_fails_before_any_model_loads_or_output_is_written(tiny_config, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                   '{"messages": [oops}\n')
+    tiny_config["data"]["datasets"] = [{"path": str(bad)}]
+    tiny_config["model"]["base_model"] = str(tmp_path / "no-such-model")   # never reached
+    res = CliRunner().invoke(main, ["run", "-c", str(write_cfg(tmp_path, tiny_config))])
+    assert res.exit_code == 2
+    assert "bad.jsonl:2" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "run").exists()
