@@ -1,0 +1,27 @@
+"""Every shipped config validates, opens with the command that runs it, and points at shipped data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mudpuppy.config import load_config
+
+from .conftest import REPO
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_there_is_a_config_per_sft_variant():
+    names = {p.stem for p in CONFIGS}
+    assert {"quickstart", "sft-full", "sft-lora", "sft-dora"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_validates_and_says_how_to_run_it(path: Path):
+    cfg = load_config(path)                      # data files must exist: check_files is on
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# mudpuppy ") and f"configs/{path.name}" in first
+    for spec in cfg.data.datasets + cfg.data.val_datasets:
+        assert cfg.resolve_path(spec.path).is_relative_to(REPO / "configs")
