@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ...errors import BackendUnavailable
 from ..protocol import Availability
 
 INSTALL = "pip install 'mudpuppy[mlx]'  (or: pip install mlx mlx-lm; on Linux: pip install 'mlx[cpu]' mlx-lm)"
@@ -13,6 +12,10 @@ def probe() -> Availability:
         import mlx.core as mx
     except ImportError:
         return Availability("mlx", False, f"mlx is not installed; install it with: {INSTALL}")
+    try:
+        import mlx_lm  # noqa: F401  (models and KV caches come from mlx-lm)
+    except ImportError:
+        return Availability("mlx", False, f"mlx-lm is not installed; install it with: {INSTALL}")
     x = mx.ones((16, 16))
     y = mx.matmul(x, x)
     mx.eval(y)  # a real allocation and computation on MLX's default device
@@ -20,12 +23,11 @@ def probe() -> Availability:
         return Availability("mlx", False, "a 16x16 matmul on MLX gave a wrong result")
     device = mx.default_device()
     gpu = "gpu" in str(device).lower()
-    return Availability("mlx", True, device=f"{device} ({'Metal GPU' if gpu else 'CPU only: MLX speed needs Apple Silicon'})",
-                        details={"gpu": gpu})
+    where = "Metal GPU" if gpu else "CPU only: MLX speed needs Apple Silicon"
+    return Availability("mlx", True, device=f"{device} ({where})", details={"gpu": gpu})
 
 
 def create(availability: Availability, **_options):
-    raise BackendUnavailable(
-        "mlx: the MLX runtime is present, but mudpuppy's MLX training path is not part of this release yet; "
-        "use --backend cpu (or cuda/rocm) for now"
-    )
+    from .backend import MlxBackend
+
+    return MlxBackend(availability.device, bool(availability.details.get("gpu")))

@@ -1,0 +1,376 @@
+"""Move LoRA and DoRA adapters between PEFT's layout and mlx-lm's, losslessly.
+
+The two libraries store the same numbers differently:
+
+=====================  ========================================  ==============================
+                       PEFT (adapter_model.safetensors)          mlx-lm (adapters.safetensors)
+=====================  ========================================  ==============================
+down-projection        ``base_model.model.<path>.lora_A.weight`` ``<path>.lora_a``  [in, r]
+                       [r, in]
+up-projection          ``<...>.lora_B.weight``  [out, r]         ``<path>.lora_b``  [r, out]
+DoRA magnitude         ``<...>.lora_magnitude_vector`` [out]     ``<path>.m``  [out]
+scaling                ``lora_alpha`` / r (rsLoRA: / sqrt(r))    ``scale``, an absolute factor
+which modules          ``target_modules`` (leaf names)           ``keys`` (paths inside a block),
+                                                                 ``num_layers`` (last N blocks)
+=====================  ========================================  ==============================
+
+Both compute base(x) + scale * (x @ A^T) @ B^T, so a conversion is a rename,
+a transpose and a scale; tensors are copied bit for bit in their stored dtype
+(bf16 included, which numpy cannot represent, so safetensors files are read
+and written here as raw bytes). An mlx-lm copy written by mudpuppy carries the
+PEFT config it came from, so PEFT -> mlx-lm -> PEFT gives back identical files.
+
+Pure numpy and json: the torch backend, the MLX backend and the CLI all use
+this module, and none of them should have to import the other's runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MudpuppyError
+
+CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+MLX_WEIGHTS = "adapters.safetensors"
+MLX_SUBDIR = "mlx"             # where a mudpuppy run keeps its mlx-lm copy
+PEFT_PREFIX = "base_model.model."
+MUDPUPPY_KEY = "mudpuppy"      # our section inside an mlx-lm adapter_config.json
+
+# PEFT options that change what the weights mean; an adapter using any of them
+# has no faithful mlx-lm equivalent, so it is refused rather than converted wrongly.
+PEFT_UNCONVERTIBLE = {
+    "rank_pattern": "per-module ranks",
+    "alpha_pattern": "per-module alphas",
+    "modules_to_save": "fully trained extra modules",
+    "lora_bias": "trained LoRA biases",
+    "fan_in_fan_out": "Conv1D (fan_in_fan_out) weights",
+    "layer_replication": "layer replication",
+    "trainable_token_indices": "trainable token embeddings",
+    "target_parameters": "LoRA on raw parameters",
+    "use_qalora": "QA-LoRA",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+}
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_LAYER_PATH = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
+
+
+class AdapterError(MudpuppyError):
+    """A directory that is not an adapter, or an adapter that cannot be converted."""
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+@dataclass
+class RawTensor:
+    """A tensor as stored: its safetensors dtype tag and its elements (bf16 held as uint16 bits)."""
+
+    dtype: str
+    array: np.ndarray
+
+    def transposed(self) -> RawTensor:
+        return RawTensor(self.dtype, np.ascontiguousarray(self.array.T))
+
+    def to_float32(self) -> np.ndarray:
+        if self.dtype == "BF16":
+            return (self.array.astype(np.uint32) << 16).view(np.float32)
+        return self.array.astype(np.float32)
+
+    def equals(self, other: RawTensor) -> bool:
+        return (self.dtype == other.dtype and self.array.shape == other.array.shape
+                and self.array.tobytes() == other.array.tobytes())
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, RawTensor], dict[str, str]]:
+    """Every tensor of a safetensors file, and its metadata."""
+    data = Path(path).read_bytes()
+    try:
+        (size,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + size])
+    except (struct.error, ValueError) as exc:
+        raise AdapterError(f"{path}: not a safetensors file ({exc})") from None
+    meta = header.pop("__metadata__", None) or {}
+    body = memoryview(data)[8 + size :]
+    tensors = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise AdapterError(f"{path}: tensor {name} has dtype {info['dtype']}; adapters hold floats")
+        begin, end = info["data_offsets"]
+        array = np.frombuffer(body[begin:end], dtype=_DTYPES[info["dtype"]]).reshape(info["shape"])
+        tensors[name] = RawTensor(info["dtype"], array.copy())
+    return tensors, meta
+
+
+def write_safetensors(path: Path, tensors: dict[str, RawTensor], metadata: dict[str, str]) -> None:
+    """Write atomically (a temporary file, then a rename): a crash never leaves half an adapter."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    chunks, offset = [], 0
+    for name in sorted(tensors):
+        raw = np.ascontiguousarray(tensors[name].array).astype(_DTYPES[tensors[name].dtype], copy=False)
+        blob = raw.astype(raw.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": tensors[name].dtype, "shape": list(raw.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        chunks.append(blob)
+        offset += len(blob)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format asks for an 8-byte aligned data section
+    tmp = Path(str(path) + ".tmp")
+    with tmp.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(head)))
+        fh.write(head)
+        for blob in chunks:
+            fh.write(blob)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- the neutral form
+
+
+@dataclass
+class ModuleAdapter:
+    """One adapted linear layer in PEFT's orientation: A [r, in], B [out, r], magnitude [out]."""
+
+    lora_a: RawTensor
+    lora_b: RawTensor
+    magnitude: RawTensor | None = None
+
+
+@dataclass
+class Adapter:
+    """A LoRA or DoRA adapter, independent of the library that wrote it."""
+
+    kind: str                           # "lora" or "dora"
+    r: int
+    alpha: float
+    modules: dict[str, ModuleAdapter]   # module path (e.g. model.layers.0.self_attn.q_proj) -> weights
+    rslora: bool = False
+    dropout: float = 0.0
+    base_model: str | None = None
+    peft_config: dict | None = None     # the PEFT config it was read from, written back verbatim
+    num_layers: int = -1                # mlx-lm's "last N blocks"; -1 = every block
+    target_modules: list[str] | None = None  # PEFT's target_modules; None: each module's path in its block
+    extra: dict = field(default_factory=dict)  # mudpuppy notes kept with the mlx-lm copy (e.g. quantization)
+
+    @property
+    def scale(self) -> float:
+        """mlx-lm's absolute multiplier: PEFT's lora_alpha / r, or / sqrt(r) with rsLoRA."""
+        return self.alpha / (self.r ** 0.5 if self.rslora else self.r)
+
+    def layer_indices(self) -> list[int]:
+        return sorted({int(m.group(1)) for p in self.modules if (m := _LAYER_PATH.match(p))})
+
+    def block_keys(self) -> list[str]:
+        """mlx-lm's `keys`: a module's path inside its block, or its full path outside the blocks."""
+        return sorted({(m.group(2) if (m := _LAYER_PATH.match(p)) else p) for p in self.modules})
+
+
+# --------------------------------------------------------------------------- formats
+
+
+def detect_format(path: str | Path) -> str:
+    """'peft' or 'mlx' for an adapter directory; a clear AdapterError for anything else."""
+    root = Path(path)
+    if not root.exists():
+        raise AdapterError(f"{root}: no such directory")
+    if not root.is_dir():
+        raise AdapterError(f"{root} is a file; an adapter is a directory holding {CONFIG_FILE}")
+    has_config = (root / CONFIG_FILE).is_file()
+    if has_config and (root / PEFT_WEIGHTS).is_file():
+        return "peft"
+    if has_config and (root / MLX_WEIGHTS).is_file():
+        return "mlx"
+    if has_config and (root / "adapter_model.bin").is_file():
+        raise AdapterError(f"{root} holds a pickled PEFT adapter (adapter_model.bin); re-save it with "
+                           "save_pretrained(..., safe_serialization=True) to convert it")
+    hint = " (it looks like a full model: config.json)" if (root / "config.json").is_file() else ""
+    raise AdapterError(f"{root} is not an adapter directory: expected {CONFIG_FILE} with {PEFT_WEIGHTS} (PEFT) "
+                       f"or {MLX_WEIGHTS} (mlx-lm){hint}")
+
+
+def read_adapter(path: str | Path) -> Adapter:
+    """Read a PEFT or mlx-lm adapter directory into the neutral form."""
+    root = Path(path)
+    fmt = detect_format(root)
+    try:
+        config = json.loads((root / CONFIG_FILE).read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise AdapterError(f"{root / CONFIG_FILE}: not valid JSON ({exc})") from None
+    if fmt == "peft":
+        tensors, _ = read_safetensors(root / PEFT_WEIGHTS)
+        return adapter_from_peft(config, tensors, root)
+    tensors, _ = read_safetensors(root / MLX_WEIGHTS)
+    return adapter_from_mlx(config, tensors, root)
+
+
+def adapter_from_peft(config: dict, tensors: dict[str, RawTensor], where: Path | str = "<peft>") -> Adapter:
+    if config.get("peft_type") != "LORA":
+        raise AdapterError(f"{where}: peft_type {config.get('peft_type')!r} is not convertible; only LoRA "
+                           "and DoRA adapters (peft_type LORA) have an mlx-lm equivalent")
+    used = [f"{key} ({why})" for key, why in PEFT_UNCONVERTIBLE.items() if config.get(key)]
+    if used:
+        raise AdapterError(f"{where}: this adapter uses {', '.join(used)}, which mlx-lm adapters cannot express")
+    modules: dict[str, dict[str, RawTensor]] = {}
+    suffixes = {".lora_A.weight": "a", ".lora_B.weight": "b", ".lora_magnitude_vector": "m",
+                ".lora_magnitude_vector.weight": "m"}
+    for name, tensor in tensors.items():
+        hit = next((s for s in suffixes if name.endswith(s)), None)
+        if hit is None or not name.startswith(PEFT_PREFIX):
+            raise AdapterError(f"{where}: tensor {name!r} is not a LoRA A/B matrix or DoRA magnitude "
+                               "(embedding LoRA and extra trained modules do not convert)")
+        path = name[len(PEFT_PREFIX) : -len(hit)]
+        modules.setdefault(path, {})[suffixes[hit]] = tensor
+    dora = bool(config.get("use_dora"))
+    adapter = Adapter(
+        kind="dora" if dora else "lora", r=int(config["r"]), alpha=float(config["lora_alpha"]),
+        modules=_check_modules(modules, int(config["r"]), dora, where), rslora=bool(config.get("use_rslora")),
+        dropout=float(config.get("lora_dropout") or 0.0), base_model=config.get("base_model_name_or_path"),
+        peft_config=config)
+    return adapter
+
+
+def adapter_from_mlx(config: dict, tensors: dict[str, RawTensor], where: Path | str = "<mlx>") -> Adapter:
+    kind = config.get("fine_tune_type", "lora")
+    if kind not in ("lora", "dora"):
+        raise AdapterError(f"{where}: fine_tune_type {kind!r} is a full fine-tune, not an adapter; "
+                           "only lora and dora adapters convert")
+    params = config.get("lora_parameters") or {}
+    if "rank" not in params or "scale" not in params:
+        raise AdapterError(f"{where}: lora_parameters must give rank and scale (mlx-lm's adapter_config schema)")
+    modules: dict[str, dict[str, RawTensor]] = {}
+    leaves = {"lora_a": "a", "lora_b": "b", "m": "m"}
+    for name, tensor in tensors.items():
+        path, _, leaf = name.rpartition(".")
+        if leaf not in leaves or not path:
+            raise AdapterError(f"{where}: tensor {name!r} is not a lora_a/lora_b/m adapter weight")
+        if tensor.array.ndim != (1 if leaf == "m" else 2) or "embed" in path.rsplit(".", 1)[-1]:
+            raise AdapterError(f"{where}: {name} belongs to a mixture-of-experts or embedding LoRA, "
+                               "which PEFT's LoRA layout does not share")
+        # PEFT orientation: A [r, in], B [out, r].
+        modules.setdefault(path, {})[leaves[leaf]] = tensor if leaf == "m" else tensor.transposed()
+    r = int(params["rank"])
+    ours = config.get(MUDPUPPY_KEY) or {}
+    peft_config = ours.get("peft_config")
+    rslora = bool(peft_config.get("use_rslora")) if peft_config else False
+    scale = float(params["scale"])
+    alpha = float(peft_config["lora_alpha"]) if peft_config else scale * r
+    adapter = Adapter(
+        kind=kind, r=r, alpha=alpha, modules=_check_modules(modules, r, kind == "dora", where), rslora=rslora,
+        dropout=float(params.get("dropout") or 0.0), base_model=config.get("model"), peft_config=peft_config,
+        num_layers=int(config.get("num_layers", -1)), extra={k: v for k, v in ours.items() if k != "peft_config"})
+    if peft_config is not None and abs(adapter.scale - scale) > 1e-6 * max(1.0, abs(scale)):
+        raise AdapterError(f"{where}: lora_parameters.scale {scale} disagrees with the PEFT config it records "
+                           f"(lora_alpha {alpha}, r {r} give {adapter.scale}); the file was edited by hand")
+    return adapter
+
+
+def _check_modules(found: dict[str, dict[str, RawTensor]], r: int, dora: bool, where) -> dict[str, ModuleAdapter]:
+    if not found:
+        raise AdapterError(f"{where}: the adapter holds no weights")
+    out = {}
+    for path, parts in sorted(found.items()):
+        if "a" not in parts or "b" not in parts:
+            raise AdapterError(f"{where}: {path} has only one of its two LoRA matrices")
+        a, b, m = parts["a"], parts["b"], parts.get("m")
+        if a.array.ndim != 2 or b.array.ndim != 2 or a.array.shape[0] != r or b.array.shape[1] != r:
+            raise AdapterError(f"{where}: {path} has A {a.array.shape} and B {b.array.shape}, "
+                               f"which do not fit rank {r}")
+        if dora and (m is None or m.array.shape != (b.array.shape[0],)):
+            raise AdapterError(f"{where}: {path} is DoRA but has no magnitude vector of length {b.array.shape[0]}")
+        if not dora and m is not None:
+            raise AdapterError(f"{where}: {path} has a DoRA magnitude but the config does not say use_dora")
+        out[path] = ModuleAdapter(a, b, m)
+    return out
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def peft_config_for(adapter: Adapter) -> dict:
+    """The PEFT config to write: the original when there is one, else a minimal LoraConfig."""
+    if adapter.peft_config is not None:
+        return adapter.peft_config
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": adapter.base_model,
+        "r": adapter.r, "lora_alpha": _plain_number(adapter.alpha), "lora_dropout": adapter.dropout,
+        "target_modules": adapter.target_modules or adapter.block_keys(), "use_dora": adapter.kind == "dora",
+        "use_rslora": adapter.rslora, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
+        "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
+    }
+    if adapter.num_layers != -1:
+        # mlx-lm adapted only the last `num_layers` blocks; PEFT must not adapt the others.
+        config["layers_to_transform"] = adapter.layer_indices()
+    return config
+
+
+def write_peft(adapter: Adapter, out: str | Path) -> Path:
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, mod in adapter.modules.items():
+        tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = mod.lora_a
+        tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = mod.lora_b
+        if mod.magnitude is not None:
+            tensors[f"{PEFT_PREFIX}{path}.lora_magnitude_vector"] = mod.magnitude
+    write_safetensors(root / PEFT_WEIGHTS, tensors, {"format": "pt"})
+    write_json(root / CONFIG_FILE, peft_config_for(adapter))
+    return root
+
+
+def mlx_config_for(adapter: Adapter) -> dict:
+    ours = dict(adapter.extra)
+    ours["peft_config"] = peft_config_for(adapter)
+    return {
+        "fine_tune_type": adapter.kind,
+        # -1 is mlx-lm's "every block": adapters may sit on any subset of blocks, and
+        # mlx-lm's extra layers then start with B = 0 (LoRA) or m = |W| (DoRA), changing nothing.
+        "num_layers": -1,
+        "lora_parameters": {"rank": adapter.r, "scale": adapter.scale, "dropout": adapter.dropout,
+                            "keys": adapter.block_keys()},
+        "model": adapter.base_model,
+        MUDPUPPY_KEY: ours,
+    }
+
+
+def write_mlx(adapter: Adapter, out: str | Path) -> Path:
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, mod in adapter.modules.items():
+        tensors[f"{path}.lora_a"] = mod.lora_a.transposed()
+        tensors[f"{path}.lora_b"] = mod.lora_b.transposed()
+        if mod.magnitude is not None:
+            tensors[f"{path}.m"] = mod.magnitude
+    write_safetensors(root / MLX_WEIGHTS, tensors, {"format": "mlx"})
+    write_json(root / CONFIG_FILE, mlx_config_for(adapter))
+    return root
+
+
+def convert_adapter(src: str | Path, dst: str | Path, to: str) -> Path:
+    """Convert the adapter in `src` to `to` ('peft' or 'mlx') in `dst`, which must be empty or new."""
+    if to not in ("peft", "mlx"):
+        raise AdapterError(f"unknown adapter format {to!r}; choose peft or mlx")
+    adapter = read_adapter(src)
+    out = Path(dst)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise AdapterError(f"{out} already exists and is not an empty directory; choose a new destination")
+    return write_peft(adapter, out) if to == "peft" else write_mlx(adapter, out)
+
+
+def _plain_number(value: float):
+    return int(value) if float(value).is_integer() else value

@@ -1,0 +1,86 @@
+"""Between a live MLX model and the neutral adapter form of `backends.adapters`.
+
+Saving writes the PEFT layout at the top of the directory (plain
+`peft.PeftModel.from_pretrained` loads it) and mlx-lm's layout in `mlx/`
+(`mlx_lm.load(..., adapter_path=...)` loads it). Loading takes either.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...errors import MudpuppyError
+from .. import adapters as fmt
+from .layers import adapter_layers, linear_dims, linear_layers, wrap_linears
+
+
+def to_raw(array: mx.array) -> fmt.RawTensor:
+    if array.dtype == mx.bfloat16:
+        return fmt.RawTensor("BF16", np.array(array.view(mx.uint16)))
+    if array.dtype == mx.float16:
+        return fmt.RawTensor("F16", np.array(array))
+    return fmt.RawTensor("F32", np.array(array.astype(mx.float32)))
+
+
+def from_raw(tensor: fmt.RawTensor) -> mx.array:
+    if tensor.dtype == "BF16":
+        return mx.array(tensor.array).view(mx.bfloat16)
+    return mx.array(tensor.array)
+
+
+def adapter_from_model(handle) -> fmt.Adapter:
+    spec = handle.adapter
+    if not spec or spec.get("kind") == "none":
+        raise MudpuppyError("save_adapter: no LoRA or DoRA adapter is attached to this model; "
+                            "a full fine-tune is saved with save_model")
+    modules = {}
+    for path, layer in adapter_layers(handle.model).items():
+        magnitude = to_raw(layer.m) if "m" in layer else None
+        # PEFT orientation: A [r, in], B [out, r].
+        modules[path] = fmt.ModuleAdapter(to_raw(layer.lora_a.T), to_raw(layer.lora_b.T), magnitude)
+    extra = {"quantization": spec["quantization"]} if spec.get("quantization") else {}
+    return fmt.Adapter(kind=spec["kind"], r=spec["r"], alpha=spec["alpha"], modules=modules,
+                       rslora=spec["rslora"], dropout=spec["dropout"], base_model=handle.source,
+                       peft_config=spec.get("peft_config"), target_modules=spec.get("targets"), extra=extra)
+
+
+def save_adapter(handle, path: str) -> None:
+    adapter = adapter_from_model(handle)
+    fmt.write_peft(adapter, path)
+    fmt.write_mlx(adapter, Path(path) / fmt.MLX_SUBDIR)
+
+
+def load_adapter(handle, path: str, trainable: bool = False) -> None:
+    """Attach the adapter stored at `path` (PEFT or mlx-lm layout) to a model that has none."""
+    if adapter_layers(handle.model):
+        raise MudpuppyError(f"load_adapter {path}: this model already has an adapter attached")
+    adapter = fmt.read_adapter(path)
+    linears = linear_layers(handle.model)
+    missing = [p for p in adapter.modules if p not in linears]
+    if missing:
+        raise MudpuppyError(
+            f"load_adapter {path}: {len(missing)} adapted module(s) do not exist in this model, "
+            f"e.g. {', '.join(missing[:3])}; was the adapter trained on another base model?")
+    for p, mod in adapter.modules.items():
+        in_dims, out_dims = linear_dims(linears[p])
+        if mod.lora_a.array.shape[1] != in_dims or mod.lora_b.array.shape[0] != out_dims:
+            raise MudpuppyError(f"load_adapter {path}: {p} is [{out_dims} x {in_dims}] in this model but the "
+                                f"adapter expects [{mod.lora_b.array.shape[0]} x {mod.lora_a.array.shape[1]}]")
+    wrap_linears(handle.model, sorted(adapter.modules), adapter.kind, adapter.r, adapter.scale, adapter.dropout)
+    weights = []
+    for p, mod in adapter.modules.items():
+        weights.append((f"{p}.lora_a", from_raw(mod.lora_a.transposed())))
+        weights.append((f"{p}.lora_b", from_raw(mod.lora_b.transposed())))
+        if mod.magnitude is not None:
+            weights.append((f"{p}.m", from_raw(mod.magnitude)))
+    handle.model.load_weights(weights, strict=False)
+    if not trainable:
+        handle.model.freeze()  # as PEFT's from_pretrained: loaded for inference unless asked otherwise
+    mx.eval(handle.model.parameters())
+    handle.adapter = {"kind": adapter.kind, "r": adapter.r, "alpha": adapter.alpha, "rslora": adapter.rslora,
+                      "dropout": adapter.dropout, "targets": adapter.block_keys(), "peft_config": adapter.peft_config,
+                      "quantization": adapter.extra.get("quantization")}
+

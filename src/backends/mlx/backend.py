@@ -1,0 +1,198 @@
+"""The MLX implementation of the backend protocol (mlx + mlx-lm).
+
+Mirrors `backends/torch/backend.py` method for method: the same model
+directory and Hugging Face tokenizer, PEFT's LoRA/DoRA formulas, the same
+loss, accumulation, clipping and optimizers, and adapters saved in PEFT's
+format (plus mlx-lm's in `mlx/`). What MLX cannot do yet is refused with
+an error that names the option, never handed to torch behind the user's back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ...errors import MudpuppyError
+from ..protocol import AdapterInfo
+from . import adapter_io, forward
+from .layers import (
+    adapter_layers,
+    adapters_disabled,
+    linear_layers,
+    merge_adapters,
+    wrap_linears,
+)
+from .loading import DTYPES, MlxModel, count_parameters, load_model
+from .ops import MlxOps
+from .quantize import quantize_base
+from .state import load_training_state, save_training_state
+from .trainer import MlxTrainer
+
+
+class MlxBackend:
+    name = "mlx"
+
+    def __init__(self, device: str, gpu: bool):
+        self.device = device
+        self.gpu = gpu
+        self.ops = MlxOps()
+
+    # ------------------------------------------------------------------ models
+    def load_model(self, model_cfg, precision: str = "auto", head: str | None = None) -> MlxModel:
+        if head is not None:
+            raise MudpuppyError(f"a {head} head (reward and process reward models) is not available on MLX "
+                                "yet: mlx-lm builds causal language models only; use a torch backend")
+        return load_model(model_cfg, precision, self.gpu)
+
+    def save_model(self, handle: MlxModel, path: str) -> None:
+        """A full model as transformers saves one: config.json, model.safetensors, tokenizer."""
+        if adapter_layers(handle.model):
+            raise MudpuppyError("save_model: this model carries an adapter; save it with save_adapter")
+        if any(k.endswith(".scales") for k, _ in tree_flatten(handle.model.parameters())):
+            raise MudpuppyError("save_model: the base is quantized (QLoRA); save the adapter instead")
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        weights = dict(tree_flatten(handle.model.parameters()))
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+        dtype = next(iter(weights.values())).dtype
+        config = {**handle.config, "dtype": {v: k for k, v in DTYPES.items() if k != "auto"}[dtype]}
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        handle.tokenizer.save_pretrained(str(out))
+
+    # ---------------------------------------------------------------- adapters
+    def attach_adapter(self, handle: MlxModel, adapter_cfg) -> AdapterInfo:
+        model = handle.model
+        kind = adapter_cfg.type
+        if kind == "none":
+            if handle.precision == "bf16":
+                raise MudpuppyError("training.precision bf16 with adapter.type none: MLX would train bf16 "
+                                    "weights without fp32 master copies; use training.precision fp32")
+            model.unfreeze()
+            handle.adapter = {"kind": "none"}
+            info_targets: list[str] = []
+        else:
+            if kind not in ("lora", "dora", "qlora"):
+                raise MudpuppyError(f"adapter.type {kind!r} is not available on MLX; use none, lora, dora or qlora")
+            quantization = None
+            if kind == "qlora":
+                quantization = quantize_base(model, getattr(adapter_cfg, "quant_backend", None) or "int4")
+            if handle.precision == "bf16":
+                model.set_dtype(mx.bfloat16)  # the frozen base; adapter weights below are created in fp32
+            leaves = self._target_modules(model, adapter_cfg.target_modules)
+            paths = sorted(p for p in linear_layers(model) if p.rsplit(".", 1)[-1] in leaves)
+            scale = adapter_cfg.alpha / (adapter_cfg.r ** 0.5 if adapter_cfg.rslora else adapter_cfg.r)
+            layer_kind = "dora" if kind == "dora" else "lora"
+            wrap_linears(model, paths, layer_kind, adapter_cfg.r, scale, adapter_cfg.dropout)
+            handle.adapter = {"kind": layer_kind, "r": adapter_cfg.r, "alpha": adapter_cfg.alpha,
+                              "rslora": adapter_cfg.rslora, "dropout": adapter_cfg.dropout, "targets": leaves,
+                              "quantization": quantization}
+            info_targets = leaves
+        mx.eval(model.parameters())
+        return AdapterInfo(kind, count_parameters(model, trainable=True), count_parameters(model), info_targets)
+
+    @staticmethod
+    def _target_modules(model, wanted) -> list[str]:
+        """Leaf names of the linear layers to adapt; the output head is never a target (as on torch)."""
+        linear = {p.rsplit(".", 1)[-1] for p in linear_layers(model)}
+        if wanted == "all-linear":
+            if not linear:
+                raise MudpuppyError("adapter.target_modules: this model has no linear layers to adapt")
+            return sorted(linear)
+        missing = [w for w in wanted if w not in linear]
+        if missing:
+            raise MudpuppyError(
+                f"adapter.target_modules: {', '.join(missing)} match no linear layer in this model; "
+                f"its linear layers are: {', '.join(sorted(linear))}")
+        return list(wanted)
+
+    def save_adapter(self, handle: MlxModel, path: str) -> None:
+        adapter_io.save_adapter(handle, path)
+
+    def load_adapter(self, handle: MlxModel, path: str, trainable: bool = False) -> None:
+        adapter_io.load_adapter(handle, path, trainable)
+
+    def merge_and_save(self, handle: MlxModel, path: str, dtype: str = "bfloat16") -> None:
+        """Fold the adapter into the base weights (in place) and save a plain transformers model."""
+        merge_adapters(handle.model)
+        handle.model.set_dtype(DTYPES[dtype])
+        handle.adapter = {"kind": "none"}
+        self.save_model(handle, path)
+
+    # --------------------------------------------------------- training state
+    def save_training_state(self, handle: MlxModel, trainer: MlxTrainer, path: str) -> None:
+        save_training_state(self, handle, trainer, path)
+
+    def load_training_state(self, handle: MlxModel, trainer: MlxTrainer, path: str) -> None:
+        load_training_state(self, handle, trainer, path)
+
+    # ----------------------------------------------------------------- compute
+    def seed(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        mx.random.seed(seed)
+
+    def create_trainer(self, handle: MlxModel, training_cfg) -> MlxTrainer:
+        return MlxTrainer(handle, training_cfg)
+
+    def evaluate_loss(self, handle: MlxModel, batches) -> tuple[float, int]:
+        handle.model.eval()
+        total, count = 0.0, 0
+        for batch in batches:
+            if batch.loss_tokens == 0:
+                continue
+            total += forward.loss_sum(handle, batch).item()
+            count += batch.loss_tokens
+        return total, count
+
+    def sequence_logprobs(self, handle: MlxModel, batch, grad: bool = True) -> tuple[mx.array, np.ndarray]:
+        """Summed log p(target) per row [B] (gradient flows inside a training step unless `grad`
+        is off), and the loss-carrying tokens per row."""
+        sums, counts = forward.sequence_logprobs(handle, batch)
+        return (sums if grad else mx.stop_gradient(sums)), counts
+
+    def reference_logprobs(self, handle: MlxModel, batch) -> mx.array:
+        """The same, with the adapter switched off: the base model is the reference, no second copy."""
+        with adapters_disabled(handle.model):
+            sums, _ = forward.sequence_logprobs(handle, batch)
+            return mx.stop_gradient(sums)
+
+    def sequence_scores(self, handle: MlxModel, batch, grad: bool = True):
+        raise MudpuppyError("sequence scores need a sequence_classification head, which MLX does not have yet")
+
+    def token_scores(self, handle: MlxModel, batch, grad: bool = True):
+        raise MudpuppyError("token scores need a token_classification head, which MLX does not have yet")
+
+    def logits(self, handle: MlxModel, batch) -> np.ndarray:
+        handle.model.eval()
+        return forward.logits(handle, batch)
+
+    def generate(self, handle: MlxModel, prompts: list[list[int]], max_new_tokens: int,
+                 stop_ids: list[int]) -> list[list[int]]:
+        """Greedy decoding, one prompt at a time with a KV cache.
+
+        Without padding each prompt computes exactly what torch computes for
+        its real tokens under a left-padded batch.
+        """
+        from mlx_lm.models.cache import make_prompt_cache
+
+        model = handle.model
+        model.eval()
+        stop = set(stop_ids)
+        results = []
+        for prompt in prompts:
+            cache = make_prompt_cache(model)
+            logits = model(mx.array(prompt)[None], cache=cache)
+            out: list[int] = []
+            while len(out) < max_new_tokens:
+                token = int(mx.argmax(logits[0, -1]).item())
+                if token in stop:
+                    break
+                out.append(token)
+                logits = model(mx.array([[token]]), cache=cache)
+            results.append(out)
+        return results

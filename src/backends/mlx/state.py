@@ -1,0 +1,53 @@
+"""Training state on disk for the MLX backend: trainable weights, optimizer, RNG.
+
+The same layout idea as the torch backend's: the trainable parameters by
+their exact names (a strict, name-checked copy on load), the optimizer's
+arrays, and the trainer's small state as JSON. With an adapter attached the
+checkpoint is also a PEFT (and mlx-lm) adapter directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ...errors import MudpuppyError
+from .layers import adapter_layers
+
+WEIGHTS = "trainable.safetensors"
+OPTIMIZER = "optimizer.npz"
+TRAINER = "trainer.json"
+
+
+def save_training_state(backend, handle, trainer, path: str | Path) -> None:
+    path = Path(path)
+    mx.save_safetensors(str(path / WEIGHTS), dict(tree_flatten(handle.model.trainable_parameters())))
+    state = trainer.state_dict()
+    np.savez(path / OPTIMIZER, **state["optimizer"])
+    (path / TRAINER).write_text(json.dumps({"optimizer_dtypes": state["optimizer_dtypes"], "rng": state["rng"]}))
+    if adapter_layers(handle.model):
+        backend.save_adapter(handle, str(path))
+
+
+def load_training_state(backend, handle, trainer, path: str | Path) -> None:
+    path = Path(path)
+    weights = mx.load(str(path / WEIGHTS))
+    trainable = dict(tree_flatten(handle.model.trainable_parameters()))
+    missing = [n for n in trainable if n not in weights]
+    unexpected = [n for n in weights if n not in trainable]
+    if missing or unexpected:
+        example = (missing or unexpected)[0]
+        raise MudpuppyError(
+            f"checkpoint {path} does not fit this model and adapter "
+            f"({len(missing)} trainable tensors missing, {len(unexpected)} unexpected, e.g. {example}); "
+            "resume with the config that made it")
+    handle.model.load_weights(list(weights.items()), strict=False)
+    with np.load(path / OPTIMIZER) as stored:
+        optimizer = {k: stored[k] for k in stored.files}
+    small = json.loads((path / TRAINER).read_text())
+    trainer.load_state_dict({"optimizer": optimizer, **small})
+    mx.eval(handle.model.parameters())

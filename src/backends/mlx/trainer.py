@@ -1,0 +1,128 @@
+"""One optimizer step on MLX, with the torch backend's semantics to the letter.
+
+- loss: summed token cross-entropy divided by the loss tokens of the whole
+  step, so accumulating micro-batches gives the gradient of one large batch;
+- clipping: torch's `clip_grad_norm_` (global L2 norm, coefficient
+  max_norm / (norm + 1e-6), never above 1);
+- a non-finite loss or gradient norm skips the update;
+- AdamW, SGD or Adafactor with torch's update rules (see optimizers.py).
+
+State is explicit, as in mlx-lm's trainer: trainable parameters (saved as
+the adapter), optimizer state (numpy arrays in `state_dict`) and the RNG,
+which is reseeded from (seed, step) before every step, so dropout masks
+after a resume are the ones an uninterrupted run would draw.
+
+The step is not wrapped in `mx.compile`: every batch has its own length and
+number of loss tokens, and a compiled function retraces for each new shape,
+which costs more than it saves.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from ...errors import MudpuppyError
+from ..protocol import StepResult
+from .forward import loss_sum
+from .optimizers import build_optimizer
+
+
+def global_norm(grads) -> mx.array:
+    return mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+
+
+def clip_by_norm(grads, norm: float, max_norm: float | None):
+    if max_norm is None:
+        return grads
+    coef = min(max_norm / (norm + 1e-6), 1.0)
+    return tree_map(lambda g: g * coef, grads)
+
+
+class MlxTrainer:
+    """One optimizer over the trainable parameters; the pipeline passes the learning rate in."""
+
+    def __init__(self, handle, cfg):
+        self.handle, self.cfg = handle, cfg
+        if not tree_flatten(handle.model.trainable_parameters()):
+            raise MudpuppyError("nothing to train: the model has no trainable parameters")
+        if cfg.gradient_checkpointing:
+            raise MudpuppyError("training.gradient_checkpointing is not available on the MLX backend yet; "
+                                "set it to false (MLX keeps activations; lower micro_batch_size instead)")
+        self.optimizer = build_optimizer(cfg)
+        self.seed = cfg.seed
+        self.steps = 0
+        self.value_and_grad = nn.value_and_grad(handle.model, self._loss)
+        self._metrics: dict[str, float] = {}
+
+    def _loss(self, model, objective, batch, scale):
+        loss, self._metrics = objective(self.handle, batch)
+        return loss * scale, loss
+
+    def step(self, micro_batches, lr: float, objective=None) -> StepResult:
+        """One update; `objective` (see protocol.Objective) replaces the SFT token loss."""
+        objective = objective or TokenLoss()
+        model = self.handle.model
+        model.train()
+        mx.random.seed(self._step_seed())
+        self.steps += 1
+        counts = [objective.count(b) for b in micro_batches]
+        loss_tokens = sum(counts)
+        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches)
+        grads, total, sums, weights = None, 0.0, {}, {}
+        for batch, n in zip(micro_batches, counts):
+            if n == 0:
+                continue  # contributes neither loss nor gradient
+            (_, raw), g = self.value_and_grad(model, objective, batch, 1.0 / max(loss_tokens, 1))
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            mx.eval(raw, grads)
+            total += raw.item()
+            for key, value in self._metrics.items():  # a metric may be absent from some micro-batches
+                sums[key] = sums.get(key, 0.0) + value * n
+                weights[key] = weights.get(key, 0) + n
+        metrics = {key: value / weights[key] for key, value in sums.items()}
+        mean = total / max(loss_tokens, 1)
+        if grads is None:
+            return StepResult(mean, loss_tokens, tokens, 0.0, skipped=True, metrics=metrics)
+        grad_norm = global_norm(grads).item()
+        if not (math.isfinite(mean) and math.isfinite(grad_norm)):
+            return StepResult(mean, loss_tokens, tokens, grad_norm, skipped=True, metrics=metrics)
+        grads = clip_by_norm(grads, grad_norm, self.cfg.max_grad_norm)
+        self.optimizer.learning_rate = lr
+        self.optimizer.update(model, grads)
+        mx.eval(model.trainable_parameters(), self.optimizer.state)
+        return StepResult(mean, loss_tokens, tokens, grad_norm, metrics=metrics)
+
+    def _step_seed(self) -> int:
+        return (self.seed * 1_000_003 + self.steps) % 2**63
+
+    def state_dict(self) -> dict:
+        """Optimizer state as numpy arrays (bf16 widened to float32, exactly, with its dtype noted)."""
+        arrays, dtypes = {}, {}
+        for key, value in tree_flatten(self.optimizer.state):
+            if value.dtype == mx.bfloat16:
+                dtypes[key] = "bfloat16"
+                value = value.astype(mx.float32)
+            arrays[key] = np.array(value)
+        return {"optimizer": arrays, "optimizer_dtypes": dtypes, "rng": {"seed": self.seed, "steps": self.steps}}
+
+    def load_state_dict(self, state: dict) -> None:
+        narrow = state.get("optimizer_dtypes", {})
+        arrays = [(k, mx.array(v).astype(mx.bfloat16) if k in narrow else mx.array(v))
+                  for k, v in state["optimizer"].items()]
+        self.optimizer.state = tree_unflatten(arrays)
+        self.seed, self.steps = int(state["rng"]["seed"]), int(state["rng"]["steps"])
+
+
+class TokenLoss:
+    """SFT's objective: summed cross-entropy over label != -100 tokens, averaged per token."""
+
+    def count(self, batch) -> int:
+        return batch.loss_tokens
+
+    def __call__(self, handle, batch):
+        return loss_sum(handle, batch), {}
