@@ -41,12 +41,24 @@ class ModelConfig(_Strict):
 
 
 class AdapterConfig(_Strict):
-    type: Literal["none", "lora", "dora"] = "lora"
+    type: Literal["none", "lora", "dora", "qlora"] = "lora"
     r: int = Field(8, gt=0, le=4096)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     rslora: bool = False
+    quant_backend: Literal["int4", "mxfp4"] = Field(
+        "int4", description="qlora: 4-bit format of the frozen base (int4 group-wise, or OCP MXFP4 blocks of 32)")
+    quant_group_size: int | None = Field(
+        64, gt=0, description="qlora int4: values per scale (even); null for one scale per row")
+
+    @model_validator(mode="after")
+    def _quant_options_fit(self):
+        if self.quant_backend == "mxfp4" and "quant_group_size" in self.model_fields_set:
+            raise ValueError("quant_group_size does not apply to mxfp4, whose blocks are always 32 values")
+        if self.quant_group_size is not None and self.quant_group_size % 2:
+            raise ValueError("quant_group_size must be even (two 4-bit values share a byte)")
+        return self
 
     @field_validator("target_modules")
     @classmethod
@@ -172,6 +184,35 @@ class EvalConfig(_Strict):
     batch_size: int = Field(16, gt=0)
 
 
+class PreferenceConfig(_Strict):
+    """`method: preference`: which loss, and its knobs. See docs/methods.md."""
+
+    type: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = "dpo"
+    beta: float = Field(0.1, gt=0, description="dpo/ipo/kto: strength of the pull towards the reference; "
+                                                "simpo: reward scale")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="dpo/simpo: assumed share of flipped labels")
+    gamma: float = Field(0.5, ge=0.0, description="simpo: target reward margin")
+    orpo_lambda: float = Field(0.1, gt=0, description="orpo: weight of the odds-ratio term beside the NLL")
+    desirable_weight: float = Field(1.0, gt=0, description="kto: weight of desirable (label true) examples")
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: weight of undesirable (label false) examples")
+    precompute_ref: bool = Field(False, description="compute reference log-probs once before training")
+    bad_pairs: Literal["drop", "error"] = Field(
+        "drop", description="identical pairs, empty completions, prompts filling sequence_len: drop (and count) "
+                            "or stop with an error")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.type in ("dpo", "ipo", "kto")
+
+
+class RewardConfig(_Strict):
+    """`method: rm` and `method: prm`: scalar-head reward models. See docs/methods.md."""
+
+    loss: Literal["auto", "bradley_terry", "mse"] = Field(
+        "auto", description="rm: bradley_terry on preference pairs, mse on {text, label}; auto picks by format")
+    bad_pairs: Literal["drop", "error"] = Field("drop", description="rm pairs: as preference.bad_pairs")
+
+
 class LoggingConfig(_Strict):
     log_every: int = Field(1, gt=0)
     progress_bar: bool = True
@@ -181,7 +222,7 @@ class RunConfig(_Strict):
     model: ModelConfig
     backend: Literal[BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
     devices: list[int] | None = Field(None, description="GPU indices (after *_VISIBLE_DEVICES); default: the first usable")
-    method: Literal["sft"] = "sft"
+    method: Literal["sft", "preference", "rm", "prm"] = "sft"
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     data: DataConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
@@ -191,9 +232,45 @@ class RunConfig(_Strict):
     resume: bool | Literal["auto"] = Field(False, description="continue from the newest complete checkpoint")
     merge: bool = Field(False, description="merge the adapter into the base model at the end of the run")
     merge_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    preference: PreferenceConfig | None = Field(None, description="method: preference only")
+    reward: RewardConfig | None = Field(None, description="method: rm and prm only")
 
     # Where the YAML came from; relative data paths resolve against it first.
     source_dir: str | None = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _method_sections(self):
+        """Each method's section is filled in with defaults, and refused under other methods."""
+        problems = []
+        # Assign only when missing: assignment re-runs this validator (validate_assignment).
+        if self.method == "preference":
+            if self.preference is None:
+                self.preference = PreferenceConfig()
+        elif self.preference is not None:
+            problems.append(f"preference: this section applies to method: preference (this config has method: {self.method})")
+        if self.method in ("rm", "prm"):
+            if self.reward is None:
+                self.reward = RewardConfig()
+        elif self.reward is not None:
+            problems.append(f"reward: this section applies to method: rm or prm (this config has method: {self.method})")
+        if self.method in ("preference", "rm", "prm") and self.data.packing:
+            problems.append(f"data.packing: packing is for sft; method {self.method} batches whole sequences "
+                            "(set it to false)")
+        pref = self.preference if self.method == "preference" else None
+        if pref is not None and pref.needs_reference and self.adapter.type == "none" and not pref.precompute_ref:
+            # With an adapter the reference is the base with the adapter switched off; full
+            # fine-tuning has no such switch, and a frozen copy would double the model's memory.
+            problems.append(f"preference.precompute_ref: {pref.type} needs reference log-probs; with adapter.type none set "
+                            "preference.precompute_ref: true (computed once from the untrained weights)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def data_method(self) -> str:
+        """The name the data layer checks formats against (data.METHOD_FORMATS): dpo, kto, rm, ..."""
+        if self.method == "preference":
+            return self.preference.type
+        return self.method
 
     def resolve_path(self, path: str) -> Path:
         """A data path as the user meant it: config directory first, then cwd."""

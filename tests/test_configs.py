@@ -15,7 +15,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 def test_there_is_a_config_per_sft_variant():
     names = {p.stem for p in CONFIGS}
-    assert {"quickstart", "sft-full", "sft-lora", "sft-dora"} <= names
+    assert {"quickstart", "sft-full", "sft-lora", "sft-dora", "sft-qlora-int4", "sft-qlora-mxfp4"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

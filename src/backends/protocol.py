@@ -35,6 +35,7 @@ class StepResult:
     tokens: int               # real (non-padding) tokens processed
     grad_norm: float | None   # before clipping; None when not computed
     skipped: bool = False     # the update was not applied (non-finite loss or gradient)
+    metrics: dict[str, float] = field(default_factory=dict)   # an objective's own numbers, averaged over the step
 
 
 @dataclass
@@ -43,6 +44,7 @@ class AdapterInfo:
     trainable_params: int
     total_params: int
     target_modules: list[str]
+    quantization: str | None = None   # what quantize_base did, for QLoRA
 
 
 @runtime_checkable
@@ -54,12 +56,63 @@ class ModelHandle(Protocol):
     source: str                # where the weights came from (resolved path)
 
 
+class ArrayOps(Protocol):
+    """Array operations on the backend's native arrays (torch tensors, mx arrays).
+
+    Training objectives (`training/preference.py`, `training/reward.py`) are
+    written once with these and Python's arithmetic operators, which both
+    runtimes overload; no objective imports torch or mlx.
+    """
+
+    def from_numpy(self, array: "np.ndarray") -> Any: ...
+    def to_numpy(self, x: Any) -> "np.ndarray": ...
+    def to_float(self, x: Any) -> float: ...
+    def detach(self, x: Any) -> Any: ...
+    def log_sigmoid(self, x: Any) -> Any: ...
+    def sigmoid(self, x: Any) -> Any: ...
+    def softplus(self, x: Any) -> Any: ...
+    def exp(self, x: Any) -> Any: ...
+    def expm1(self, x: Any) -> Any: ...
+    def log(self, x: Any) -> Any: ...
+    def log1p(self, x: Any) -> Any: ...
+    def log_softmax(self, x: Any) -> Any:
+        """Over the last axis."""
+    def pick(self, x: Any, index: "np.ndarray") -> Any:
+        """x[i, index[i]] for a 2-D x: one entry per row."""
+    def take(self, x: Any, index: "np.ndarray") -> Any:
+        """x[index] along the first axis."""
+    def relu(self, x: Any) -> Any: ...
+    def clip(self, x: Any, low: float | None = None, high: float | None = None) -> Any: ...
+    def where(self, cond: Any, a: Any, b: Any) -> Any: ...
+    def concat(self, xs: list[Any]) -> Any: ...
+    def stack(self, xs: list[Any]) -> Any: ...
+    def sum(self, x: Any) -> Any: ...
+    def mean(self, x: Any) -> Any: ...
+
+
+class Objective(Protocol):
+    """What a training step minimises, written once against `ArrayOps` (see `training/`).
+
+    The trainer divides each micro-batch's summed loss by the summed `count`
+    of the whole step (tokens for SFT, pairs for DPO, ...), so accumulating
+    micro-batches gives the gradient of one large batch.
+    """
+
+    def count(self, batch: Any) -> int:
+        """How many units (tokens, pairs, examples, steps) the batch's loss is summed over."""
+
+    def __call__(self, handle: "ModelHandle", batch: Any) -> tuple[Any, dict[str, float]]:
+        """(summed loss as a native scalar with gradient, metrics averaged over the batch)."""
+
+
 @runtime_checkable
 class TrainerProtocol(Protocol):
     """Owns the optimizer state for one model. The pipeline owns the schedule."""
 
-    def step(self, micro_batches: list["Batch"], lr: float) -> StepResult:
-        """Forward and backward over each micro-batch, then one optimizer update."""
+    def step(self, micro_batches: list[Any], lr: float, objective: Objective | None = None) -> StepResult:
+        """Forward and backward over each micro-batch, then one optimizer update.
+
+        Without an objective, the loss is SFT's: token cross-entropy over labels != -100."""
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state and RNG state, enough to continue exactly."""
@@ -72,13 +125,21 @@ class BackendProtocol(Protocol):
     name: str
     device: str
 
+    ops: ArrayOps
+
     # -- models
-    def load_model(self, model_cfg: "ModelConfig", precision: str = "auto") -> ModelHandle: ...
+    def load_model(self, model_cfg: "ModelConfig", precision: str = "auto", head: str | None = None) -> ModelHandle:
+        """A causal LM, or with `head` a scalar-head model: "sequence_classification" (one score
+        per sequence, read at its last token, as transformers does) or "token_classification"
+        (two classes per token: for process reward models)."""
 
     def save_model(self, handle: ModelHandle, path: str) -> None: ...
 
     # -- adapters
     def attach_adapter(self, handle: ModelHandle, adapter_cfg: "AdapterConfig") -> AdapterInfo: ...
+
+    def quantize_base(self, handle: ModelHandle, adapter_cfg: "AdapterConfig") -> Any:
+        """Replace the base's linear layers by frozen 4-bit ones (QLoRA); returns a report."""
 
     def save_adapter(self, handle: ModelHandle, path: str) -> None: ...
 
@@ -98,6 +159,25 @@ class BackendProtocol(Protocol):
 
     def evaluate_loss(self, handle: ModelHandle, batches: list["Batch"]) -> tuple[float, int]:
         """Summed token loss and the number of loss-carrying tokens."""
+
+    def sequence_logprobs(self, handle: ModelHandle, batch: "Batch", grad: bool = True) -> tuple[Any, "np.ndarray"]:
+        """(summed log p(target) per row [B] as a native array, loss-carrying tokens per row [B]).
+
+        The same masking as SFT: positions with label != -100. With `grad` the
+        result carries gradient to the trainable weights."""
+
+    def reference_logprobs(self, handle: ModelHandle, batch: "Batch") -> Any:
+        """Summed log-probs per row [B] under the reference: the model with its adapter switched
+        off (no second copy of the weights), or the model as it is when it has no adapter.
+        No gradient."""
+
+    def sequence_scores(self, handle: ModelHandle, batch: "Batch", grad: bool = True) -> Any:
+        """A sequence_classification model's score per row [B], native, read where transformers
+        reads it (the last non-padding token)."""
+
+    def token_scores(self, handle: ModelHandle, batch: "Batch", grad: bool = True) -> Any:
+        """A token_classification model's logits [N, classes] at the positions where
+        batch.labels != -100 (labels not shifted: each marks its own token), in row-major order."""
 
     def logits(self, handle: ModelHandle, batch: "Batch") -> "np.ndarray":
         """Float32 logits [batch, time, vocab]; for tests and parity checks."""

@@ -10,6 +10,9 @@ from ..errors import MudpuppyError, OutputExists
 
 def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None = None,
               dtype: str | None = None, overwrite: bool = False) -> Path:
+    if cfg.method in ("rm", "prm"):
+        raise MudpuppyError(f"a reward model's output_dir ({cfg.output_dir}) already holds the whole model with "
+                            "its adapter merged in; nothing to merge")
     adapter = Path(adapter_dir or cfg.output_dir)
     if not (adapter / "adapter_config.json").is_file():
         raise MudpuppyError(
@@ -23,6 +26,9 @@ def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None 
             raise OutputExists(f"{out} is not empty and does not look like a merged model; refusing to clear it")
         shutil.rmtree(out)
     handle = backend.load_model(cfg.model, "fp32")
+    if cfg.adapter.type == "qlora":
+        # The adapter learned on the 4-bit base: rebuild exactly that base (quantizing is deterministic).
+        backend.quantize_base(handle, cfg.adapter)
     backend.load_adapter(handle, str(adapter))
     backend.merge_and_save(handle, str(out), dtype or cfg.merge_dtype)
     return out

@@ -65,6 +65,16 @@ class MlxBackend:
         handle.tokenizer.save_pretrained(str(out))
 
     # ---------------------------------------------------------------- adapters
+    def quantize_base(self, handle: MlxModel, adapter_cfg) -> dict:
+        """QLoRA's frozen 4-bit base through mx.quantize (affine int4 or mxfp4)."""
+        backend_name = getattr(adapter_cfg, "quant_backend", None) or "int4"
+        group = getattr(adapter_cfg, "quant_group_size", 64)
+        if backend_name == "int4" and group != 64:
+            # mx.quantize's affine mode is used with its group of 64; say so rather than differ silently.
+            raise MudpuppyError(f"adapter.quant_group_size {group} is not available on MLX; "
+                                "MLX's int4 (affine) quantization uses groups of 64")
+        return quantize_base(handle.model, backend_name)
+
     def attach_adapter(self, handle: MlxModel, adapter_cfg) -> AdapterInfo:
         model = handle.model
         kind = adapter_cfg.type
@@ -80,7 +90,7 @@ class MlxBackend:
                 raise MudpuppyError(f"adapter.type {kind!r} is not available on MLX; use none, lora, dora or qlora")
             quantization = None
             if kind == "qlora":
-                quantization = quantize_base(model, getattr(adapter_cfg, "quant_backend", None) or "int4")
+                quantization = self.quantize_base(handle, adapter_cfg)
             if handle.precision == "bf16":
                 model.set_dtype(mx.bfloat16)  # the frozen base; adapter weights below are created in fp32
             leaves = self._target_modules(model, adapter_cfg.target_modules)

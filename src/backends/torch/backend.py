@@ -19,9 +19,17 @@ import torch
 from ...errors import MudpuppyError
 from ..models import resolve_model
 from ..protocol import AdapterInfo, StepResult
+from . import logprobs
 from .attention import packed_attention_mask
+from .ops import TorchOps
 
 IGNORE_INDEX = -100
+# Scalar-head models: the transformers Auto class, the classes per position, PEFT's task type
+# (which also makes PEFT train and save the new head in full: modules_to_save).
+HEADS = {
+    "sequence_classification": ("AutoModelForSequenceClassification", 1, "SEQ_CLS"),
+    "token_classification": ("AutoModelForTokenClassification", 2, "TOKEN_CLS"),
+}
 # Tokens per lm_head chunk when computing the loss: bounds the [tokens x vocab]
 # logits held at once (49k vocab x 1024 tokens x 4 bytes = 200 MB).
 LOSS_CHUNK_TOKENS = 1024
@@ -49,6 +57,7 @@ class TorchModel:
     tokenizer: Any
     source: str
     autocast_dtype: torch.dtype | None = None
+    head: str | None = None           # None (causal LM) or a key of HEADS
 
 
 class TorchBackend:
@@ -56,28 +65,37 @@ class TorchBackend:
         self.plan = plan
         self.name = plan.name
         self.device = str(plan.device)
+        self.ops = TorchOps(plan.device)
 
     # ------------------------------------------------------------------ models
-    def load_model(self, model_cfg, precision: str = "auto") -> TorchModel:
-        from transformers import AutoModelForCausalLM
+    def load_model(self, model_cfg, precision: str = "auto", head: str | None = None) -> TorchModel:
+        import transformers
 
+        if head is not None and head not in HEADS:
+            raise MudpuppyError(f"unknown model head {head!r}; known: {', '.join(HEADS)}")
+        auto_class, num_labels, _ = HEADS[head] if head else ("AutoModelForCausalLM", None, None)
+        head_kwargs = {"num_labels": num_labels} if head else {}
         resolved = resolve_model(model_cfg.base_model, model_cfg.revision, model_cfg.trust_remote_code)
         tokenizer = self.load_tokenizer(model_cfg, resolved.path)
         dtype = {"auto": torch.float32, "float32": torch.float32,
                  "bfloat16": torch.bfloat16, "float16": torch.float16}[model_cfg.dtype]
         # Never device_map="auto": it segfaults on ROCm with an iGPU present.
         # Load on the CPU, then move the whole model to the planned device.
-        model = AutoModelForCausalLM.from_pretrained(
-            str(resolved.path), dtype=dtype, trust_remote_code=model_cfg.trust_remote_code,
-            attn_implementation="sdpa",
-        )
+        with _quiet_if(head is not None):   # a new head's "missing weights" report is expected, not news
+            model = getattr(transformers, auto_class).from_pretrained(
+                str(resolved.path), dtype=dtype, trust_remote_code=model_cfg.trust_remote_code,
+                attn_implementation="sdpa", **head_kwargs,
+            )
         model.to(self.plan.device)
         model.config.use_cache = False
+        if head:
+            # A sequence score is read at the last token that is not padding; the model finds it by this id.
+            model.config.pad_token_id = tokenizer.pad_token_id
         if self.plan.fp8:
             from .devices import convert_to_fp8
 
             convert_to_fp8(model)
-        return TorchModel(model, tokenizer, str(resolved.path), self.compute_dtype(precision))
+        return TorchModel(model, tokenizer, str(resolved.path), self.compute_dtype(precision), head)
 
     def load_tokenizer(self, model_cfg, default_path: Path):
         from transformers import AutoTokenizer
@@ -111,23 +129,39 @@ class TorchBackend:
         else:
             from peft import LoraConfig, get_peft_model
 
+            if adapter_cfg.type == "qlora":
+                quantization = self.quantize_base(handle, adapter_cfg)
             targets = self._target_modules(model, adapter_cfg.target_modules)
+            task = HEADS[handle.head][2] if handle.head else "CAUSAL_LM"
             config = LoraConfig(
                 r=adapter_cfg.r, lora_alpha=adapter_cfg.alpha, lora_dropout=adapter_cfg.dropout,
                 target_modules=targets, use_dora=adapter_cfg.type == "dora",
-                use_rslora=adapter_cfg.rslora, task_type="CAUSAL_LM",
+                use_rslora=adapter_cfg.rslora, task_type=task,
             )
             handle.model = model = get_peft_model(model, config)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
-        return AdapterInfo(adapter_cfg.type, trainable, total, targets)
+        return AdapterInfo(adapter_cfg.type, trainable, total, targets,
+                           quantization if adapter_cfg.type == "qlora" else None)
+
+    def quantize_base(self, handle: TorchModel, adapter_cfg) -> str:
+        """Replace the base model's linear layers by our 4-bit ones (QLoRA); returns a one-line report.
+
+        Deterministic, so a resumed run quantizes again and gets the same base.
+        """
+        from .quantize import quantize_model
+
+        report = quantize_model(handle.model, adapter_cfg.quant_backend, adapter_cfg.quant_group_size)
+        return report.summary()
 
     @staticmethod
     def _target_modules(model, wanted) -> list[str]:
-        """Leaf names of the linear layers to adapt; the output head is never a target."""
-        output = model.get_output_embeddings()
+        """Leaf names of the linear layers to adapt; the output head is never a target
+        (a new scalar head trains in full instead: PEFT's modules_to_save)."""
+        heads = {id(m) for m in (model.get_output_embeddings(), getattr(model, "score", None),
+                                 getattr(model, "classifier", None)) if m is not None}
         linear = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
-                  if isinstance(mod, torch.nn.Linear) and mod is not output}
+                  if isinstance(mod, torch.nn.Linear) and id(mod) not in heads}
         if wanted == "all-linear":
             if not linear:
                 raise MudpuppyError("adapter.target_modules: this model has no linear layers to adapt")
@@ -225,6 +259,26 @@ class TorchBackend:
                     logits, targets[start : start + LOSS_CHUNK_TOKENS], reduction="sum")
         return total, int(targets.numel())
 
+    def sequence_logprobs(self, handle: TorchModel, batch, grad: bool = True) -> tuple[torch.Tensor, np.ndarray]:
+        return logprobs.sequence_logprobs(self, handle, batch, grad)
+
+    def reference_logprobs(self, handle: TorchModel, batch) -> torch.Tensor:
+        return logprobs.reference_logprobs(self, handle, batch)
+
+    def sequence_scores(self, handle: TorchModel, batch, grad: bool = True) -> torch.Tensor:
+        self._require_head(handle, "sequence_classification")
+        return logprobs.sequence_scores(self, handle, batch, grad)
+
+    def token_scores(self, handle: TorchModel, batch, grad: bool = True) -> torch.Tensor:
+        self._require_head(handle, "token_classification")
+        return logprobs.token_scores(self, handle, batch, grad)
+
+    @staticmethod
+    def _require_head(handle: TorchModel, head: str) -> None:
+        if handle.head != head:
+            raise MudpuppyError(f"this model was loaded with head {handle.head or 'causal_lm'!r}; "
+                                f"scores need load_model(..., head={head!r})")
+
     @torch.no_grad()
     def evaluate_loss(self, handle: TorchModel, batches) -> tuple[float, int]:
         handle.model.eval()
@@ -292,20 +346,29 @@ class TorchTrainer:
         if backend.plan.loss_scaling and handle.autocast_dtype == torch.float16:
             self.scaler = torch.amp.GradScaler(backend.plan.device.type)
 
-    def step(self, micro_batches, lr: float) -> StepResult:
+    def step(self, micro_batches, lr: float, objective=None) -> StepResult:
+        """One update; `objective` (see protocol.Objective) replaces the SFT token loss."""
+        objective = objective or TokenLoss(self.backend)
         model = self.handle.model
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        # Normalise by the loss tokens of the whole step, so accumulation over
-        # micro-batches gives exactly the gradient of one large batch.
-        loss_tokens = sum(b.loss_tokens for b in micro_batches)
-        total = 0.0
-        for batch in micro_batches:
-            loss, _ = self.backend.loss_sum(self.handle, batch)
+        # Normalise by the count (loss tokens for SFT) of the whole step, so accumulation
+        # over micro-batches gives exactly the gradient of one large batch.
+        counts = [objective.count(b) for b in micro_batches]
+        loss_tokens = sum(counts)
+        total, sums, weights = 0.0, {}, {}
+        for batch, n in zip(micro_batches, counts):
+            if n == 0:
+                continue              # contributes neither loss nor gradient
+            loss, metrics = objective(self.handle, batch)
             scaled = loss / max(loss_tokens, 1)
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += float(loss.detach())
-        tokens = sum(b.real_tokens for b in micro_batches)
+            for key, value in metrics.items():      # a metric may be absent from some micro-batches
+                sums[key] = sums.get(key, 0.0) + value * n
+                weights[key] = weights.get(key, 0) + n
+        metrics = {key: value / weights[key] for key, value in sums.items()}
+        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches)
         mean = total / max(loss_tokens, 1)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip and report the true gradient norm
@@ -315,7 +378,7 @@ class TorchTrainer:
             if self.scaler:
                 self.scaler.update()  # an fp16 overflow: lower the scale and try the next step
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(mean, loss_tokens, tokens, grad_norm, skipped=True)
+            return StepResult(mean, loss_tokens, tokens, grad_norm, skipped=True, metrics=metrics)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.scaler:
@@ -323,7 +386,7 @@ class TorchTrainer:
             self.scaler.update()
         else:
             self.optimizer.step()
-        return StepResult(mean, loss_tokens, tokens, grad_norm)
+        return StepResult(mean, loss_tokens, tokens, grad_norm, metrics=metrics)
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
@@ -340,6 +403,33 @@ class TorchTrainer:
             torch.cuda.set_rng_state(state["cuda_rng"], self.backend.plan.device)
         if self.scaler and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
+
+
+class TokenLoss:
+    """SFT's objective: summed cross-entropy over label != -100 tokens, averaged per token."""
+
+    def __init__(self, backend: TorchBackend):
+        self.backend = backend
+
+    def count(self, batch) -> int:
+        return batch.loss_tokens
+
+    def __call__(self, handle, batch):
+        loss, _ = self.backend.loss_sum(handle, batch)
+        return loss, {}
+
+
+@contextlib.contextmanager
+def _quiet_if(quiet: bool):
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
 
 
 def _unwrap(model):
