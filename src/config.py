@@ -152,7 +152,8 @@ class TrainingConfig(_Strict):
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
     max_grad_norm: float | None = Field(1.0, gt=0)
     precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | None = Field(
+        None, description="recompute activations in backward to save memory; default: on where the backend has it")
     seed: int = 42
     save_steps: int | None = Field(None, gt=0, description="checkpoint every N optimizer steps (and at the end)")
     keep_last_n: int | None = Field(3, gt=0, description="checkpoints kept; older ones are deleted")

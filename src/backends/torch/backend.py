@@ -213,7 +213,7 @@ class TorchBackend:
         torch.manual_seed(seed)
 
     def create_trainer(self, handle: TorchModel, training_cfg) -> "TorchTrainer":
-        if training_cfg.gradient_checkpointing:
+        if training_cfg.gradient_checkpointing is not False:   # None means the default: on
             base = _unwrap(handle.model)
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return TorchTrainer(self, handle, training_cfg)
