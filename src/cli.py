@@ -96,7 +96,8 @@ def validate(config_path, overrides, debug):
     from .config import load_config
 
     cfg = load_config(config_path, overrides)
-    click.echo(f"{config_path}: ok (method {cfg.method}, adapter {cfg.adapter.type}, backend {cfg.backend}, "
+    method = cfg.method if cfg.data_method() == cfg.method else f"{cfg.method} ({cfg.data_method()})"
+    click.echo(f"{config_path}: ok (method {method}, adapter {cfg.adapter.type}, backend {cfg.backend}, "
                f"{len(cfg.data.datasets)} dataset(s))")
 
 
@@ -167,6 +168,29 @@ def merge(config_path, overrides, adapter_dir, out_dir, dtype, overwrite, debug)
 
 
 @main.command()
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False),
+              help="JSONL/JSON/CSV/Parquet records to score (text, chat, pairs, or PRM steps).")
+@click.option("--backend", "-b", default=None, help="auto, cpu, cuda, rocm or mlx (overrides the config).")
+@set_option
+@debug_option
+@_handle_errors
+def score(config_path, data_path, backend, overrides, debug):
+    """Print a trained reward model's scores, one JSON line per record, then a summary."""
+    import json
+
+    from . import create_backend, load_config
+    from .evaluation.score import score_file
+
+    overrides = list(overrides) + ([f"backend={backend}"] if backend else [])
+    cfg = load_config(config_path, overrides, check_files=False)
+    scored = score_file(cfg, create_backend(cfg.backend, **cfg.backend_options()), data_path)
+    for row in scored.rows:
+        click.echo(json.dumps(row))
+    click.echo(scored.summary, err=True)
+
+
+@main.command()
 @debug_option
 @_handle_errors
 def backends(debug):
@@ -210,6 +234,9 @@ def _table(result) -> str:
         rows.append(("held-out loss", cell(before, "loss", "{:.4f}"), cell(after, "loss", "{:.4f}")))
     if any(getattr(e, "exact_match", None) is not None for e in (before, after)):
         rows.append(("exact match", cell(before, "exact_match", "{:.1%}"), cell(after, "exact_match", "{:.1%}")))
+    if any(getattr(e, "accuracy", None) is not None for e in (before, after)):
+        name = getattr(after or before, "accuracy_name", "accuracy").replace("_", " ")
+        rows.append((name, cell(before, "accuracy", "{:.1%}"), cell(after, "accuracy", "{:.1%}")))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))

@@ -31,7 +31,7 @@ class Availability:
 @dataclass
 class StepResult:
     loss: float               # mean loss per loss-carrying token over the whole step
-    loss_tokens: int          # tokens that carried loss
+    loss_tokens: int          # what the loss is averaged over: loss tokens (SFT), or an objective's count
     tokens: int               # real (non-padding) tokens processed
     grad_norm: float | None   # before clipping; None when not computed
     skipped: bool = False     # the update was not applied (non-finite loss or gradient)
@@ -102,7 +102,9 @@ class Objective(Protocol):
         """How many units (tokens, pairs, examples, steps) the batch's loss is summed over."""
 
     def __call__(self, handle: "ModelHandle", batch: Any) -> tuple[Any, dict[str, float]]:
-        """(summed loss as a native scalar with gradient, metrics averaged over the batch)."""
+        """(summed loss as a native scalar with gradient, metrics averaged over the batch).
+
+        The trainer calls it so; evaluation calls it with grad=False as well."""
 
 
 @runtime_checkable

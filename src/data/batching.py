@@ -35,7 +35,7 @@ class Batcher:
 
     def __init__(self, examples: list[Example], micro_batch_size: int, pad_id: int, seed: int,
                  shuffle: bool = True, *, packing: bool = False, sequence_len: int | None = None,
-                 tokens_per_batch: int | None = None, group_by_length: bool = False):
+                 tokens_per_batch: int | None = None, group_by_length: bool = False, collate_fn=collate):
         if not examples:
             raise ValueError("no examples to batch")
         if packing and sequence_len is None:
@@ -46,6 +46,8 @@ class Batcher:
         self.seed = seed
         self.shuffle = shuffle
         self.packing = packing
+        # Preference, KTO and reward items batch through their own collate (see pairs.py).
+        self.collate_fn = collate_fn
         self.mode, self._units, self._per_batch = plan_batches(
             [len(e) for e in examples], micro_batch_size, seed, packing=packing, sequence_len=sequence_len,
             tokens_per_batch=tokens_per_batch, by_length=group_by_length)
@@ -54,12 +56,12 @@ class Batcher:
         self._order = self._order_for(0)
 
     @classmethod
-    def from_config(cls, examples: list[Example], cfg, pad_id: int) -> Batcher:
+    def from_config(cls, examples: list[Example], cfg, pad_id: int, collate_fn=collate) -> Batcher:
         """The batcher a RunConfig describes (training.micro_batch_size/seed, data.packing/...)."""
         d, t = cfg.data, cfg.training
         return cls(examples, t.micro_batch_size, pad_id, t.seed, d.shuffle, packing=d.packing,
                    sequence_len=d.sequence_len, tokens_per_batch=d.tokens_per_batch,
-                   group_by_length=d.group_by_length)
+                   group_by_length=d.group_by_length, collate_fn=collate_fn)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -80,7 +82,7 @@ class Batcher:
         units = [self._units[u] for u in take]
         if self.packing:
             return collate_packed([[self.examples[i] for i in row] for row in units], self.pad_id)
-        return collate([self.examples[i] for unit in units for i in unit], self.pad_id)
+        return self.collate_fn([self.examples[i] for unit in units for i in unit], self.pad_id)
 
     def epoch_batches(self) -> list[Batch]:
         """One epoch of batches in unshuffled order, without moving the batcher (for reports)."""
@@ -90,7 +92,7 @@ class Batcher:
             if self.packing:
                 out.append(collate_packed([[self.examples[i] for i in row] for row in units], self.pad_id))
             else:
-                out.append(collate([self.examples[i] for unit in units for i in unit], self.pad_id))
+                out.append(self.collate_fn([self.examples[i] for unit in units for i in unit], self.pad_id))
         return out
 
     def state_dict(self) -> dict:

@@ -98,7 +98,7 @@ def load_dataset(cfg, spec) -> LoadedDataset:
 
 def load_data(cfg, method: str | None = None) -> LoadedData:
     """Every dataset read and validated, and its format checked against the method."""
-    method = method or cfg.method
+    method = method or cfg.data_method()
     loaded = LoadedData([load_dataset(cfg, s) for s in cfg.data.datasets],
                         [load_dataset(cfg, s) for s in cfg.data.val_datasets])
     for ds in loaded.train + loaded.val:
@@ -195,7 +195,7 @@ def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: st
     loaded = loaded or load_data(cfg, method)
     template = apply_chat_template_choice(tokenizer, cfg.data.chat_template)
     use_cache = cfg.data.cache if use_cache is None else use_cache
-    key = cache.cache_key(cfg, method or cfg.method, loaded.fingerprints(), tokenizer) if use_cache else None
+    key = cache.cache_key(cfg, method or cfg.data_method(), loaded.fingerprints(), tokenizer) if use_cache else None
     root = cache.cache_root(cfg)
     if key is not None and not refresh:
         hit = cache.read_entry(root, key)

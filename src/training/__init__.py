@@ -1,8 +1,12 @@
 """Training methods, each one recipe written against the backend protocol."""
 
+from .preference import run_preference
+from .reward import run_reward
 from .sft import RunResult, run_sft
 
-__all__ = ["RunResult", "run_sft", "run"]
+__all__ = ["RunResult", "run_preference", "run_reward", "run_sft", "run"]
+
+METHODS = {"sft": run_sft, "preference": run_preference, "rm": run_reward, "prm": run_reward}
 
 
 def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
@@ -10,5 +14,4 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
     from ..backends import create_backend
 
     backend = backend or create_backend(cfg.backend, **cfg.backend_options())
-    methods = {"sft": run_sft}
-    return methods[cfg.method](cfg, backend, overwrite=overwrite, echo=echo)
+    return METHODS[cfg.method](cfg, backend, overwrite=overwrite, echo=echo)

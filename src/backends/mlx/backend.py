@@ -9,6 +9,7 @@ an error that names the option, never handed to torch behind the user's back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -161,13 +162,17 @@ class MlxBackend:
 
     def sequence_logprobs(self, handle: MlxModel, batch, grad: bool = True) -> tuple[mx.array, np.ndarray]:
         """Summed log p(target) per row [B] (gradient flows inside a training step unless `grad`
-        is off), and the loss-carrying tokens per row."""
-        sums, counts = forward.sequence_logprobs(handle, batch)
-        return (sums if grad else mx.stop_gradient(sums)), counts
+        is off), and the loss-carrying tokens per row. Without `grad` the model runs in eval
+        mode (no dropout), as on torch."""
+        if grad:
+            return forward.sequence_logprobs(handle, batch)
+        with eval_mode(handle.model):
+            sums, counts = forward.sequence_logprobs(handle, batch)
+        return mx.stop_gradient(sums), counts
 
     def reference_logprobs(self, handle: MlxModel, batch) -> mx.array:
         """The same, with the adapter switched off: the base model is the reference, no second copy."""
-        with adapters_disabled(handle.model):
+        with adapters_disabled(handle.model), eval_mode(handle.model):
             sums, _ = forward.sequence_logprobs(handle, batch)
             return mx.stop_gradient(sums)
 
@@ -206,3 +211,14 @@ class MlxBackend:
                 logits = model(mx.array([[token]]), cache=cache)
             results.append(out)
         return results
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Eval mode (no dropout) for the duration, then the mode the trainer left."""
+    training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(training)

@@ -1,0 +1,98 @@
+"""Per-sequence log-probabilities and scalar-head scores on torch: what objectives consume.
+
+Log-probs use SFT's masking (labels != -100) and its memory trick: only the
+positions with a target go through the output head, in chunks. The
+reference is the same weights with the PEFT adapter switched off, so DPO
+needs no second copy of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+LOSS_CHUNK_TOKENS = 1024
+
+
+def sequence_logprobs(backend, handle, batch, grad: bool = True) -> tuple[torch.Tensor, np.ndarray]:
+    """(summed log p(target) per row [B], float32, on the device; targets per row [B]).
+
+    Without `grad` the model runs in eval mode (no dropout) and keeps no graph."""
+    inputs, labels = backend._tensors(batch, handle.model)
+    base = unwrap(handle.model)
+    counts = (np.asarray(batch.labels) != IGNORE_INDEX).sum(axis=1)
+    with grad_mode(handle.model, grad), backend._autocast(handle):
+        hidden = base.get_decoder()(**inputs).last_hidden_state
+        keep = labels != IGNORE_INDEX
+        rows = keep.nonzero()[:, 0]              # the row of each kept position, row-major
+        picked, targets = hidden[keep], labels[keep]
+        head = base.get_output_embeddings()
+        pieces = []
+        for start in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
+            logits = head(picked[start : start + LOSS_CHUNK_TOKENS]).float()
+            pieces.append(-F.cross_entropy(logits, targets[start : start + LOSS_CHUNK_TOKENS], reduction="none"))
+        sums = hidden.new_zeros(labels.shape[0], dtype=torch.float32)
+        if pieces:
+            sums = sums.index_add(0, rows, torch.cat(pieces))
+        elif grad:
+            sums = sums + 0.0 * hidden.sum()     # keep the graph: backward() needs a path to the weights
+    return sums, counts
+
+
+@torch.no_grad()
+def reference_logprobs(backend, handle, batch) -> torch.Tensor:
+    with adapters_disabled(handle.model):
+        logps, _ = sequence_logprobs(backend, handle, batch, grad=False)
+    return logps
+
+
+@contextlib.contextmanager
+def grad_mode(model, grad: bool):
+    """With gradient: as the trainer left the model. Without: no graph, and eval mode for the
+    duration (held-out numbers and baselines are measured without dropout)."""
+    if grad:
+        with torch.enable_grad():
+            yield
+        return
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(training)
+
+
+def adapters_disabled(model):
+    """PEFT's switch for the adapter layers; a model without an adapter is its own reference."""
+    if hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
+        return model.disable_adapter()
+    return contextlib.nullcontext()
+
+
+def sequence_scores(backend, handle, batch, grad: bool = True) -> torch.Tensor:
+    """The sequence-classification head's score per row, read where transformers reads it."""
+    dev = backend.plan.device
+    with grad_mode(handle.model, grad), backend._autocast(handle):
+        logits = handle.model(input_ids=torch.as_tensor(batch.input_ids, device=dev),
+                              attention_mask=torch.as_tensor(batch.attention_mask, device=dev)).logits
+    return logits[:, 0].float()
+
+
+def token_scores(backend, handle, batch, grad: bool = True) -> torch.Tensor:
+    """Token-classification logits [N, classes] where batch.labels != -100 (row-major)."""
+    dev = backend.plan.device
+    with grad_mode(handle.model, grad), backend._autocast(handle):
+        logits = handle.model(input_ids=torch.as_tensor(batch.input_ids, device=dev),
+                              attention_mask=torch.as_tensor(batch.attention_mask, device=dev)).logits
+    keep = torch.as_tensor(np.asarray(batch.labels) != IGNORE_INDEX, device=dev)
+    return logits[keep].float()
+
+
+def unwrap(model):
+    """The transformers model under a PEFT wrapper (LoRA layers stay injected in it)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

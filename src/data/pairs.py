@@ -1,0 +1,187 @@
+"""Preference pairs, KTO examples and reward data as training items and batches. numpy only.
+
+An `Item` is what one preference, KTO or reward example trains on: its
+sequences in a fixed role order, a label, and (when precomputed) reference
+log-probs, one per sequence. An `ItemBatch` pads every sequence of every
+item into one `Batch`, role-major (all chosen rows, then all rejected rows,
+as TRL lays them out), so one forward pass serves both roles.
+
+Roles per item:
+
+    pair (dpo, ipo, simpo, orpo, rm)   [chosen, rejected]
+    kto                                [completion, mismatched completion for the KL estimate]
+    reward {text, label}               [text]
+    prm                                [text], with one class label per step token
+
+Bad pairs are found here too, on the records, before any model loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .batch import IGNORE_INDEX, Batch, collate
+from .examples import Example, LabeledExample, PairExample, StepExample
+
+
+@dataclass
+class Item:
+    sequences: tuple[Example, ...]
+    label: float = 0.0
+    ref_logps: np.ndarray | None = None   # float [roles], the reference's summed log-probs
+    source: str = ""
+
+    def __len__(self) -> int:
+        return max(len(s) for s in self.sequences)
+
+
+@dataclass
+class ItemBatch:
+    batch: Batch                  # [roles * size, T], role-major
+    size: int                     # items
+    roles: int                    # sequences per item
+    labels: np.ndarray            # float [size]
+    ref_logps: np.ndarray | None = None   # float [roles * size], role-major like the rows
+
+    @property
+    def real_tokens(self) -> int:
+        return self.batch.real_tokens
+
+
+# --------------------------------------------------------------------------- items
+
+def pair_items(pairs: list[PairExample]) -> list[Item]:
+    return [Item((p.chosen, p.rejected), source=p.source) for p in pairs]
+
+
+def scored_items(examples: list[LabeledExample]) -> list[Item]:
+    """Reward data {text, label}: one sequence, a float label."""
+    return [Item((e.example,), float(e.label), source=e.source) for e in examples]
+
+
+def kto_items(examples: list[LabeledExample], sequence_len: int) -> list[Item]:
+    """Each KTO example with a mismatched sequence: its prompt, the previous example's completion.
+
+    KTO estimates the policy's KL from the reference on (prompt, completion)
+    pairs that do not belong together. TRL rotates completions by one inside
+    each batch of a sequential dataset; here the rotation is over the whole
+    dataset, once, so the pairing stays fixed whatever order batches come in
+    (shuffled epochs, resume) and its reference log-probs can be precomputed.
+    """
+    n = len(examples)
+    out = []
+    for i, ex in enumerate(examples):
+        prompt_ids, _, _ = split_completion(ex.example)
+        _, ids, mask = split_completion(examples[(i - 1) % n].example)
+        kl = Example(np.concatenate([prompt_ids, ids])[:sequence_len],
+                     np.concatenate([np.zeros(len(prompt_ids), bool), mask])[:sequence_len], ex.source)
+        out.append(Item((ex.example, kl), 1.0 if ex.label else 0.0, source=ex.source))
+    return out
+
+
+def split_completion(ex: Example) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt ids, completion ids, completion mask): the completion starts at the first trained token."""
+    trained = np.flatnonzero(ex.loss_mask)
+    start = int(trained[0]) if len(trained) else len(ex)
+    return ex.input_ids[:start], ex.input_ids[start:], ex.loss_mask[start:]
+
+
+def with_reference(items: list[Item], ref_logps: np.ndarray) -> list[Item]:
+    """Items carrying precomputed reference log-probs ([len(items), roles])."""
+    return [Item(it.sequences, it.label, np.asarray(ref, dtype=np.float32), it.source)
+            for it, ref in zip(items, ref_logps)]
+
+
+# --------------------------------------------------------------------------- batches
+
+def collate_items(items: list[Item], pad_id: int) -> ItemBatch:
+    roles = len(items[0].sequences)
+    rows = [it.sequences[r] for r in range(roles) for it in items]
+    ref = None
+    if all(it.ref_logps is not None for it in items):
+        ref = np.asarray([it.ref_logps[r] for r in range(roles) for it in items], dtype=np.float32)
+    labels = np.asarray([it.label for it in items], dtype=np.float32)
+    return ItemBatch(collate(rows, pad_id), len(items), roles, labels, ref)
+
+
+def collate_steps(examples: list[StepExample], pad_id: int) -> ItemBatch:
+    """PRM: labels are the step classes (0 wrong, 1 right) at each step's last token, unshifted:
+    a token-classification head scores the token itself, not the next one."""
+    batch = collate([e.example for e in examples], pad_id)
+    labels = np.full(batch.input_ids.shape, IGNORE_INDEX, dtype=np.int64)
+    for row, e in enumerate(examples):
+        at = np.flatnonzero(e.example.loss_mask)
+        labels[row, at] = e.step_labels[: len(at)].astype(np.int64)
+    step_labels = labels[labels != IGNORE_INDEX].astype(np.float32)
+    return ItemBatch(Batch(batch.input_ids, labels, batch.attention_mask), len(examples), 1, step_labels)
+
+
+def role_batch(items: ItemBatch, role: int) -> Batch:
+    """The rows of one role (e.g. KTO's mismatched sequences), trimmed to their own longest."""
+    rows = slice(role * items.size, (role + 1) * items.size)
+    width = max(int(items.batch.attention_mask[rows].sum(axis=1).max()), 1)
+    b = items.batch
+    return Batch(b.input_ids[rows, :width], b.labels[rows, :width], b.attention_mask[rows, :width])
+
+
+def fixed_item_batches(items: list, batch_size: int, pad_id: int, collate_fn=collate_items) -> list[ItemBatch]:
+    """Evaluation batches in file order."""
+    return [collate_fn(items[i : i + batch_size], pad_id) for i in range(0, len(items), batch_size)]
+
+
+# --------------------------------------------------------------------------- bad pairs
+
+@dataclass
+class Screening:
+    """Records that would teach nothing (or nonsense), found before tokenizing."""
+
+    bad: dict[str, str] = field(default_factory=dict)    # source -> reason
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for reason in self.bad.values():
+            out[reason] = out.get(reason, 0) + 1
+        return out
+
+
+IDENTICAL = "chosen and rejected are identical"
+EMPTY = "empty completion"
+
+
+def screen_records(datasets) -> Screening:
+    """Identical pairs and empty completions in preference and KTO datasets (others pass)."""
+    found = Screening()
+    for ds in datasets:
+        for rec in ds.records:
+            reason = bad_record_reason(ds.format, rec.data)
+            if reason:
+                found.bad[record_source(ds.name, rec)] = reason
+    return found
+
+
+def bad_record_reason(fmt: str, data: dict) -> str | None:
+    if fmt == "preference":
+        if data["chosen"] == data["rejected"]:
+            return IDENTICAL
+        if not content_text(data["chosen"]) or not content_text(data["rejected"]):
+            return EMPTY
+    elif fmt == "kto" and not content_text(data["completion"]):
+        return EMPTY
+    return None
+
+
+def content_text(value) -> str:
+    if isinstance(value, str):
+        return value.strip()
+    return "".join(m.get("content", "") for m in value).strip()
+
+
+def record_source(name: str, rec) -> str:
+    """How tokenize.tokenize_records names an example's origin, so screened records find their examples."""
+    return f"{name}:{rec.line}" if rec.line is not None else f"{name} row {rec.row}"
+
+
+def drop_screened(examples: list, screening: Screening) -> list:
+    return [ex for ex in examples if ex.source not in screening.bad]

@@ -1,0 +1,219 @@
+"""The training loop every recipe shares: steps, logging, checkpoints, held-out checks, resume.
+
+A recipe (sft.py, preference.py, reward.py) sets up its data, model and
+objective, then hands them to `train_loop`. What differs per method comes
+in as two callables: the `objective` the trainer minimises (None: SFT's
+token loss) and `evaluate`, which measures held-out data for early
+stopping. Everything else is written once here: the schedule, gradient
+accumulation, non-finite steps, atomic checkpoints with exact resume,
+Ctrl-C, and the metrics log.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..data import Batcher
+from ..errors import MudpuppyError
+from . import checkpoints, outputs
+from .schedule import learning_rate
+
+# Fault injection for the resume tests: SIGKILL this process right after the
+# given step (and its checkpoint) completes, as a crash or OOM kill would.
+FAULT_ENV = "MUDPUPPY_FAULT_AFTER_STEP"
+
+
+class TrainingDiverged(MudpuppyError):
+    exit_code = 3
+
+
+class Interrupted(MudpuppyError):
+    exit_code = 130
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    before: object = None         # EvalResult (sft) or a method's own held-out result
+    after: object = None
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    skipped_steps: int = 0
+    stopped_early: bool = False
+    resumed_from: int | None = None
+    model: object = None          # the trained ModelHandle, for generation or further use in Python
+
+
+@dataclass
+class LoopState:
+    """Everything the loop carries from step to step; saved in each checkpoint."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    tokens_seen: int = 0
+    train_time: float = 0.0
+    skipped: int = 0
+    best_eval: float | None = None
+    evals_without_gain: int = 0
+    before: dict | None = None
+
+    def as_dict(self, batcher: Batcher) -> dict:
+        return {**self.__dict__, "batcher": batcher.state_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LoopState":
+        fields = {k: v for k, v in data.items() if k != "batcher"}
+        return cls(**fields)
+
+
+# What `evaluate` returns: the number early stopping watches (lower is better) and what to log.
+Evaluate = Callable[[], tuple[float, dict]]
+
+
+def total_steps_for(cfg, batcher: Batcher) -> int:
+    t = cfg.training
+    if t.max_steps:
+        return t.max_steps
+    micro = math.ceil(t.epochs * batcher.batches_per_epoch)
+    return max(1, math.ceil(micro / t.gradient_accumulation_steps))
+
+
+def checkpoint_identity(cfg) -> dict:
+    """What a checkpoint must share with the config that resumes it."""
+    identity = {"base_model": cfg.model.base_model, "method": cfg.method,
+                "adapter": cfg.adapter.model_dump(mode="json", exclude={"dropout"})}
+    if cfg.method != "sft":
+        identity["objective"] = cfg.data_method()     # dpo and kto checkpoints do not mix
+    return identity
+
+
+def train_loop(cfg, trainer, batcher, state: LoopState, steps: int, save, out: Path, echo,
+               objective=None, evaluate: Evaluate | None = None) -> bool:
+    """Run optimizer steps from state.step to `steps`; True when early stopping ended it."""
+    t = cfg.training
+    log = outputs.MetricsLog(out, truncate_after=state.step)
+    bar = progress_bar(steps, state.step, cfg.logging.progress_bar)
+    fault_step = int(os.environ.get(FAULT_ENV, "0") or 0)
+    last_saved = state.step
+    rewind = None      # the batcher's position before the step in progress drew its batches
+    try:
+        while state.step < steps:
+            step = state.step
+            lr = learning_rate(t, step, steps)
+            rewind = batcher.state_dict()
+            micro = [batcher.next_batch() for _ in range(t.gradient_accumulation_steps)]
+            t0 = time.perf_counter()
+            res = trainer.step(micro, lr) if objective is None else trainer.step(micro, lr, objective)
+            dt = time.perf_counter() - t0
+            if res.skipped:
+                state.skipped += 1
+                if t.on_nan == "stop":
+                    where = f"; the last good checkpoint is {checkpoints.newest_checkpoint(out)}" if last_saved else ""
+                    raise TrainingDiverged(
+                        f"step {step + 1}: non-finite loss or gradient (loss {res.loss}, grad norm {res.grad_norm}); "
+                        f"stopped with weights untouched (training.on_nan: stop){where}")
+            state.step += 1
+            rewind = None
+            state.train_time += dt
+            state.tokens_seen += res.tokens
+            state.losses.append(res.loss)
+            state.lrs.append(lr)
+            if state.step % cfg.logging.log_every == 0 or state.step == steps:
+                log.write(step=state.step, loss=round(res.loss, 6), lr=lr, tokens=res.tokens,
+                          tokens_per_second=round(res.tokens / dt, 1), grad_norm=res.grad_norm,
+                          skipped=res.skipped, epoch=batcher.epoch,
+                          **{k: round(v, 6) for k, v in res.metrics.items()})
+            if bar is not None:
+                bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{res.tokens / dt:.0f}")
+                bar.update(1)
+            if t.eval_steps and state.step % t.eval_steps == 0 and evaluate is not None:
+                if check_patience(cfg, state, evaluate, log, echo):
+                    save(state)
+                    return True
+            if t.save_steps and state.step % t.save_steps == 0:
+                save(state)
+                last_saved = state.step
+            if fault_step and state.step == fault_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+    except KeyboardInterrupt:
+        if rewind is not None:
+            # Interrupted mid-step: its batches were drawn but not trained on; a resumed run must see them.
+            batcher.load_state_dict(rewind)
+        if state.step > last_saved:
+            path = save(state)
+            raise Interrupted(f"interrupted at step {state.step}; checkpoint saved to {path}. "
+                              "Continue with: mudpuppy run --config ... --resume") from None
+        raise Interrupted(f"interrupted at step {state.step}; the newest checkpoint is up to date. "
+                          "Continue with: mudpuppy run --config ... --resume") from None
+    finally:
+        if bar is not None:
+            bar.close()
+        log.close()
+    if t.save_steps and last_saved != state.step:
+        save(state)
+    return False
+
+
+def check_patience(cfg, state: LoopState, evaluate: Evaluate, log, echo) -> bool:
+    """Measure held-out data; True when it has stopped improving for `early_stopping_patience` evals."""
+    t = cfg.training
+    value, fields = evaluate()
+    log.write(step=state.step, **fields)
+    if state.best_eval is None or value < state.best_eval - t.early_stopping_min_delta:
+        state.best_eval, state.evals_without_gain = value, 0
+    else:
+        state.evals_without_gain += 1
+    if t.early_stopping_patience and state.evals_without_gain >= t.early_stopping_patience:
+        echo(f"early stopping at step {state.step}: held-out loss {value:.4f} has not improved on "
+             f"{state.best_eval:.4f} for {state.evals_without_gain} evaluations")
+        return True
+    return False
+
+
+def checkpoint_writer(cfg, backend, handle, trainer, batcher, out):
+    identity = checkpoint_identity(cfg)
+
+    def save(state: LoopState) -> Path:
+        return checkpoints.save_checkpoint(
+            out, state.step, identity, state.as_dict(batcher),
+            lambda d: backend.save_training_state(handle, trainer, str(d)), cfg.training.keep_last_n)
+
+    return save
+
+
+def restore(cfg, backend, handle, trainer, batcher, path: Path) -> LoopState:
+    data = checkpoints.read_checkpoint(path, checkpoint_identity(cfg))
+    backend.load_training_state(handle, trainer, str(path))
+    batcher.load_state_dict(data["batcher"])
+    return LoopState.from_dict(data)
+
+
+def resumed_step(resume_from: Path | None) -> int | None:
+    return int(resume_from.name.split("-")[1]) if resume_from else None
+
+
+def save_trained(cfg, backend, handle, out: Path) -> None:
+    """The run's result in output_dir: the adapter (and tokenizer), or the whole model."""
+    if cfg.adapter.type == "none":
+        backend.save_model(handle, str(out))
+    else:
+        backend.save_adapter(handle, str(out))
+        handle.tokenizer.save_pretrained(str(out))
+
+
+def progress_bar(total: int, done: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True)

@@ -1,0 +1,190 @@
+"""Setup, loop and save for every method that trains an objective on items (preference, reward, PRM).
+
+A method describes itself with a `Recipe`: which model head it needs, how
+tokenized examples become training items, how those are batched, and its
+objective. This module does the rest, the same way for all of them, on top
+of the loop SFT uses (loop.py):
+
+    records read and checked (format, identical pairs, empty completions)   before any model loads
+    model loaded, data tokenized, bad examples dropped or refused, report
+    adapter attached; method-specific preparation (reference log-probs)
+    held-out numbers before training; the loop; save; held-out numbers after
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..data import Batcher, load_data, prepare_data
+from ..data.pairs import Screening, drop_screened, fixed_item_batches, screen_records
+from ..errors import DataError
+from ..evaluation import ObjectiveEval, evaluate_objective
+from . import outputs
+from .loop import (
+    LoopState, RunResult, checkpoint_writer, restore, resumed_step, save_trained, total_steps_for, train_loop,
+)
+
+SHOWN = 5      # bad records listed in an error
+ADAPTER_DIR = "adapter"   # where a scalar-head run keeps its adapter, beside the whole model
+
+
+@dataclass
+class Recipe:
+    """What one method family contributes to a run."""
+
+    head: str | None                                   # model head (None: causal LM)
+    bad_input: str                                     # "drop" or "error": the bad_pairs policy
+    make_items: Callable[[list, list], tuple[list, list]]      # (train, val) examples -> items
+    collate: Callable                                  # items -> one micro-batch
+    objective: object                                  # protocol.Objective
+    # (backend, handle, train, val) -> (train, val), after the adapter is attached and before any
+    # step (also when resuming: checkpoint weights load later): e.g. precomputed reference log-probs
+    prepare: Callable | None = None
+    describe: str = ""                                 # one line for the start of the run
+    check: Callable | None = None                      # (LoadedData) -> None: raise on data the method refuses
+
+
+def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print) -> RunResult:
+    started = time.perf_counter()
+    method = cfg.data_method()
+    # -- setup: data problems surface before any model loads or anything is written
+    loaded = load_data(cfg, method)
+    if recipe.check is not None:
+        recipe.check(loaded)
+    screening = screen_records(loaded.train + loaded.val)
+    if screening.bad and recipe.bad_input == "error":
+        raise_bad_records(screening, method)
+    out, resume_from = outputs.prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
+    outputs.write_config(out, cfg)
+    backend.seed(cfg.training.seed)
+    handle = backend.load_model(cfg.model, cfg.training.precision, head=recipe.head)
+    data = prepare_data(cfg, handle.tokenizer, loaded, method=method)
+    # An example with no target left after truncation is one whose prompt fills sequence_len.
+    no_room = data.report.dropped_no_target
+    if no_room and recipe.bad_input == "error":
+        raise DataError(loaded.train[0].name, None,
+                        f"{no_room} examples leave no room for the completion within data.sequence_len "
+                        f"({cfg.data.sequence_len}); raise sequence_len, shorten the prompts, or set bad_pairs: drop")
+    train, val = drop_screened(data.train, screening), drop_screened(data.val, screening)
+    if not train:
+        raise DataError(loaded.train[0].name, None, "no usable training examples left after dropping bad ones")
+    echo(f"{recipe.describe}: {len(train)} train / {len(val)} held-out examples; "
+         + describe_drops(screening, no_room, data.report, cfg.data.sequence_len))
+    train_items, val_items = recipe.make_items(train, val)
+
+    info = backend.attach_adapter(handle, cfg.adapter)
+    echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters")
+    if recipe.prepare is not None:
+        train_items, val_items = recipe.prepare(backend, handle, train_items, val_items)
+    pad = handle.tokenizer.pad_token_id
+    evaluated = val_items[: cfg.eval.max_samples or None]
+    val_batches = fixed_item_batches(evaluated, cfg.eval.batch_size, pad, recipe.collate)
+
+    def held_out() -> ObjectiveEval:
+        return evaluate_objective(backend, handle, val_batches, recipe.objective, len(evaluated))
+
+    state = LoopState()
+    if cfg.eval.before_training and val_batches and resume_from is None:
+        before = held_out()
+        state.before = before.as_dict()
+        echo(f"before training: {before.describe()}")
+    trainer = backend.create_trainer(handle, cfg.training)
+    batcher = Batcher.from_config(train_items, cfg, pad, collate_fn=recipe.collate)
+    steps = total_steps_for(cfg, batcher)
+    if resume_from is not None:
+        state = restore(cfg, backend, handle, trainer, batcher, resume_from)
+        echo(f"resumed from {resume_from} (step {state.step} of {steps})")
+
+    # -- loop
+    save = checkpoint_writer(cfg, backend, handle, trainer, batcher, out)
+    evaluate = (lambda: _loss_and_fields(held_out())) if val_batches else None
+    stopped_early = train_loop(cfg, trainer, batcher, state, steps, save, out, echo,
+                               objective=recipe.objective, evaluate=evaluate)
+
+    # -- save, then evaluate what was saved
+    if recipe.head is not None:
+        save_whole(cfg, backend, handle, out, echo)
+    else:
+        save_trained(cfg, backend, handle, out)
+    result = RunResult(out, state.step, state.losses, state.lrs, skipped_steps=state.skipped,
+                       stopped_early=stopped_early, model=handle, resumed_from=resumed_step(resume_from))
+    result.before = ObjectiveEval.from_dict(state.before) if state.before else None
+    result.tokens_per_second = state.tokens_seen / max(state.train_time, 1e-9)
+    if cfg.eval.after_training and val_batches:
+        result.after = held_out()
+        echo(f"after training:  {result.after.describe()}")
+    if cfg.merge and cfg.adapter.type != "none" and recipe.head is None:
+        merged = out / "merged"
+        backend.merge_and_save(handle, str(merged), cfg.merge_dtype)
+        echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")
+    result.seconds = time.perf_counter() - started
+    outputs.write_json_atomic(out / outputs.SUMMARY, summary(cfg, result, info, len(train), len(val), screening,
+                                                              no_room))
+    return result
+
+
+def save_whole(cfg, backend, handle, out: Path, echo) -> None:
+    """A scalar-head model is only useful whole: output_dir gets the complete model (adapter merged
+    in, at the training dtype, so scores stay exact), loadable with AutoModelFor*Classification
+    alone; the adapter, with its trained head, goes to output_dir/adapter for PEFT users."""
+    if cfg.adapter.type == "none":
+        backend.save_model(handle, str(out))
+        return
+    adapter = out / ADAPTER_DIR
+    backend.save_adapter(handle, str(adapter))
+    handle.tokenizer.save_pretrained(str(adapter))
+    dtype = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
+    backend.merge_and_save(handle, str(out), dtype)
+    echo(f"saved the whole model ({dtype}, adapter merged) to {out}; the adapter alone to {adapter}")
+
+
+def _loss_and_fields(ev: ObjectiveEval) -> tuple[float, dict]:
+    fields = {"eval_loss": round(ev.loss, 6)}
+    fields.update({f"eval_{k}": round(v, 6) for k, v in ev.metrics.items()})
+    return ev.loss, fields
+
+
+def raise_bad_records(screening: Screening, method: str) -> None:
+    counts = ", ".join(f"{n} {reason}" for reason, n in screening.counts().items())
+    where = "; ".join(f"{src}: {reason}" for src, reason in list(screening.bad.items())[:SHOWN])
+    more = f" (and {len(screening.bad) - SHOWN} more)" if len(screening.bad) > SHOWN else ""
+    raise DataError("data", None, f"method {method}: {len(screening.bad)} records would teach nothing ({counts}): "
+                                  f"{where}{more}; fix them, or set bad_pairs: drop to leave them out")
+
+
+def describe_drops(screening: Screening, no_room: int, report, sequence_len: int) -> str:
+    parts = [f"{n} {reason}" for reason, n in screening.counts().items()]
+    if no_room:
+        parts.append(f"{no_room} with no room for the completion within sequence_len {sequence_len}")
+    if report.dropped_too_long:
+        parts.append(f"{report.dropped_too_long} longer than sequence_len (data.truncation: drop)")
+    dropped = f"dropped {', '.join(parts)}" if parts else "nothing dropped"
+    return f"{dropped}; {report.truncated} truncated"
+
+
+def summary(cfg, result: RunResult, info, n_train: int, n_val: int, screening: Screening, no_room: int) -> dict:
+    return {
+        "status": "finished",
+        "method": cfg.method,
+        "objective": cfg.data_method(),
+        "adapter": info.kind,
+        "base_model": cfg.model.base_model,
+        "steps": result.steps,
+        "first_loss": result.losses[0] if result.losses else None,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "skipped_steps": result.skipped_steps,
+        "stopped_early": result.stopped_early,
+        "resumed_from_step": result.resumed_from,
+        "trainable_params": info.trainable_params,
+        "train_examples": n_train,
+        "val_examples": n_val,
+        "dropped": {**screening.counts(), **({"no room within sequence_len": no_room} if no_room else {})},
+        "tokens_per_second": round(result.tokens_per_second, 1),
+        "seconds": round(result.seconds, 1),
+        "eval_before": result.before.as_dict() if result.before else None,
+        "eval_after": result.after.as_dict() if result.after else None,
+    }
+
