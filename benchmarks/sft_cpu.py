@@ -9,7 +9,10 @@ LoRA (r=8, alpha=16, all linear layers, no dropout), same effective batch (8),
 learning rate, cosine schedule and warmup, bf16 autocast, no gradient
 checkpointing. Each runs in its own subprocess so peak RSS is its own. Prints
 real (non-padding) tokens per second, peak RSS, the ratio mudpuppy/TRL and
-both loss curves.
+both training-loss curves, then evaluates both trained adapters with one
+evaluator on the held-out set (loss on the answer tokens, exact match). The
+training losses are not directly comparable: TRL's completion also counts the
+newline after <|im_end|>, and the two shuffle and warm up differently.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "configs" / "data" / "smart_home_train.jsonl"
+VAL = REPO / "configs" / "data" / "smart_home_val.jsonl"
 COMMON = {"r": 8, "alpha": 16, "lr": 1e-3, "batch": 8, "warmup": 5, "seed": 42, "max_len": 256}
 
 
@@ -34,7 +38,9 @@ def load_records(limit: int) -> list[dict]:
 
 def real_tokens(tokenizer, records: list[dict]) -> int:
     """Tokens of the rendered conversations: what both trainers feed, minus padding."""
-    return sum(len(tokenizer.apply_chat_template(r["messages"], tokenize=True)) for r in records)
+    # Render, then tokenize: transformers 5's apply_chat_template(tokenize=True) returns a dict.
+    texts = [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in records]
+    return sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
 
 
 def peak_rss_mb() -> float:
@@ -67,6 +73,7 @@ def run_trl(steps: int, out: Path) -> dict:
                       target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=peft)
     seconds = trainer.train().metrics["train_runtime"]
+    trainer.model.save_pretrained(str(out / "adapter"))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"seconds": seconds, "tokens": real_tokens(tok, records), "losses": losses, "peak_rss_mb": peak_rss_mb()}
 
@@ -92,6 +99,30 @@ def run_mudpuppy(steps: int, out: Path) -> dict:
     counted = sum(r["tokens"] for r in rows)          # real tokens the steps processed
     return {"seconds": counted / result.tokens_per_second, "tokens": real_tokens(result.model.tokenizer, records),
             "counted_tokens": counted, "losses": result.losses, "peak_rss_mb": peak_rss_mb()}
+
+
+def evaluate_adapters(adapters: dict[str, Path]) -> dict[str, dict]:
+    """Both adapters through one evaluator: held-out loss on the answer tokens and exact match."""
+    from mudpuppy import create_backend, load_config
+    from mudpuppy.data import load_data, prepare_sft_data
+    from mudpuppy.evaluation import evaluate
+
+    cfg = load_config({
+        "model": {"base_model": "smollm2-135m-instruct"},
+        "data": {"datasets": [{"path": str(VAL)}], "val_datasets": [{"path": str(VAL)}], "sequence_len": 256},
+        "training": {"precision": "fp32"},
+        "eval": {"exact_match": True, "max_new_tokens": 8, "batch_size": 32},
+        "output_dir": "unused",
+    })
+    backend = create_backend("cpu", precision="fp32")
+    results = {}
+    for which, path in adapters.items():
+        handle = backend.load_model(cfg.model, "fp32")
+        backend.load_adapter(handle, str(path))
+        data = prepare_sft_data(cfg, handle.tokenizer, load_data(cfg, "sft"))
+        ev = evaluate(backend, handle, data, cfg.eval)
+        results[which] = {"heldout_loss": ev.loss, "exact_match": ev.exact_match}
+    return results
 
 
 def worker(which: str, steps: int, out: Path, result_file: Path) -> None:
@@ -130,6 +161,11 @@ def main() -> None:
     t, m = results["trl"], results["mudpuppy"]
     ratio = (m["tokens"] / m["seconds"]) / (t["tokens"] / t["seconds"])
     print(f"\nthroughput ratio mudpuppy/TRL: {ratio:.2f}x   peak RSS ratio: {m['peak_rss_mb'] / t['peak_rss_mb']:.2f}")
+
+    held = evaluate_adapters({"trl": args.out / "trl" / "adapter", "mudpuppy": args.out / "mudpuppy"})
+    print("\nheld-out (configs/data/smart_home_val.jsonl, 120 examples, same evaluator, fp32):")
+    for which, r in held.items():
+        print(f"  {which:10s} loss {r['heldout_loss']:.4f}   exact match {r['exact_match']:.1%}")
     print("\nloss curves (step: TRL / mudpuppy)")
     for i, (a, b) in enumerate(zip(t["losses"], m["losses"]), start=1):
         if i <= 5 or i % 5 == 0 or i == len(t["losses"]):

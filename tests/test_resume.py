@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from mudpuppy import create_backend, load_config, run
 from mudpuppy.errors import MudpuppyError, OutputExists
 from mudpuppy.training import checkpoints
-from mudpuppy.training.sft import FAULT_ENV, Interrupted, TrainingDiverged
+from mudpuppy.training.loop import FAULT_ENV, Interrupted, TrainingDiverged
 
 K = 4
 

@@ -20,9 +20,9 @@ import time
 from ..data import Batcher, load_data, prepare_sft_data
 from ..evaluation import EvalResult, evaluate, heldout_loss
 from . import outputs
-from .loop import (  # noqa: F401  (FAULT_ENV, Interrupted, TrainingDiverged: the resume tests' names)
-    FAULT_ENV, Interrupted, LoopState, RunResult, TrainingDiverged, checkpoint_identity, checkpoint_writer,
-    restore, resumed_step, save_trained, total_steps_for, train_loop,
+from .merge import merge_run
+from .loop import (
+    LoopState, RunResult, checkpoint_writer, restore, resumed_step, save_trained, total_steps_for, train_loop,
 )
 
 
@@ -69,7 +69,9 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         echo(f"after training:  {_describe(result.after)}")
     if cfg.merge and cfg.adapter.type != "none":
         merged = out / "merged"
-        backend.merge_and_save(handle, str(merged), cfg.merge_dtype)
+        # From the saved adapter onto a freshly loaded base: the merge lands on the
+        # full-precision weights, whatever precision the base was held in for training.
+        merge_run(cfg, backend, str(out), str(merged), cfg.merge_dtype, overwrite=True)
         echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")
     result.seconds = time.perf_counter() - started
     outputs.write_json_atomic(out / outputs.SUMMARY, _summary(cfg, result, info, rep))

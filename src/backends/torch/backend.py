@@ -139,6 +139,8 @@ class TorchBackend:
                 use_rslora=adapter_cfg.rslora, task_type=task,
             )
             handle.model = model = get_peft_model(model, config)
+            if handle.autocast_dtype is not None and adapter_cfg.type != "qlora":
+                _store_frozen_linears_in(_unwrap(model), handle.autocast_dtype)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         return AdapterInfo(adapter_cfg.type, trainable, total, targets,
@@ -225,7 +227,12 @@ class TorchBackend:
         inputs = {"input_ids": torch.as_tensor(batch.input_ids, device=dev)}
         labels = torch.as_tensor(batch.labels, device=dev)
         if getattr(batch, "segment_ids", None) is None:
-            inputs["attention_mask"] = torch.as_tensor(batch.attention_mask, device=dev)
+            if not _is_right_padded(batch.attention_mask):
+                inputs["attention_mask"] = torch.as_tensor(batch.attention_mask, device=dev)
+            # Right padding needs no mask: under causal attention a real token only
+            # sees earlier positions, all real, so its output is exact without one,
+            # and SDPA can run its fused causal kernel instead of the masked path.
+            # Pad positions' outputs are then meaningless; nothing reads them.
             return inputs, labels
         base = _unwrap(model)
         impl = getattr(base.config, "_attn_implementation", None) or "eager"
@@ -430,6 +437,33 @@ def _quiet_if(quiet: bool):
         yield
     finally:
         hf_logging.set_verbosity(before)
+
+
+def _is_right_padded(mask: np.ndarray) -> bool:
+    """True when every row is real tokens followed only by padding (or no padding at all)."""
+    mask = np.asarray(mask)
+    return bool(mask[:, 0].all() and (np.diff(mask, axis=1) <= 0).all())
+
+
+def _store_frozen_linears_in(model, dtype: torch.dtype) -> int:
+    """Keep frozen linear weights in the autocast dtype; returns how many were converted.
+
+    Autocast casts a weight to bf16 on every forward unless it is a trainable
+    leaf (only those casts are cached), so a frozen fp32 base is re-cast in
+    full each step. Matmuls see the same bf16 values either way; embeddings,
+    norms and the output head stay as they are.
+    """
+    output = model.get_output_embeddings()
+    converted = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, torch.nn.Linear) and module is not output and isinstance(weight, torch.nn.Parameter)
+                and not weight.requires_grad and weight.dtype == torch.float32):
+            module.weight.data = weight.data.to(dtype)
+            if module.bias is not None and not module.bias.requires_grad:
+                module.bias.data = module.bias.data.to(dtype)
+            converted += 1
+    return converted
 
 
 def _unwrap(model):

@@ -265,7 +265,7 @@ def test_sigkill_then_resume_on_mlx_matches_an_uninterrupted_run(tiny_config, tm
     import subprocess
     import sys
 
-    from mudpuppy.training.sft import FAULT_ENV
+    from mudpuppy.training.loop import FAULT_ENV
     from safetensors.numpy import load_file
 
     def config(out):
