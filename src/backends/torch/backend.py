@@ -220,19 +220,19 @@ class TorchBackend:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return TorchTrainer(self, handle, training_cfg)
 
-    def _tensors(self, batch, model) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _tensors(self, batch, model, every_position: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Model keyword inputs and the labels. A packed batch gets its per-segment
         positions and a block-diagonal causal mask (see attention.py)."""
         dev = self.plan.device
         inputs = {"input_ids": torch.as_tensor(batch.input_ids, device=dev)}
         labels = torch.as_tensor(batch.labels, device=dev)
         if getattr(batch, "segment_ids", None) is None:
-            if not _is_right_padded(batch.attention_mask):
+            if every_position or not _is_right_padded(batch.attention_mask):
                 inputs["attention_mask"] = torch.as_tensor(batch.attention_mask, device=dev)
-            # Right padding needs no mask: under causal attention a real token only
-            # sees earlier positions, all real, so its output is exact without one,
-            # and SDPA can run its fused causal kernel instead of the masked path.
-            # Pad positions' outputs are then meaningless; nothing reads them.
+            # Right padding needs no mask when only real positions are read (losses,
+            # log-probs): under causal attention a real token only sees earlier
+            # positions, all real, so its output is exact without one, and SDPA can
+            # run its fused causal kernel instead of the masked path.
             return inputs, labels
         base = _unwrap(model)
         impl = getattr(base.config, "_attn_implementation", None) or "eager"
@@ -299,7 +299,7 @@ class TorchBackend:
     @torch.no_grad()
     def logits(self, handle: TorchModel, batch) -> np.ndarray:
         handle.model.eval()
-        inputs, _ = self._tensors(batch, handle.model)
+        inputs, _ = self._tensors(batch, handle.model, every_position=True)
         with self._autocast(handle):
             out = handle.model(**inputs).logits
         return out.float().cpu().numpy()
