@@ -374,3 +374,21 @@ def convert_adapter(src: str | Path, dst: str | Path, to: str) -> Path:
 
 def _plain_number(value: float):
     return int(value) if float(value).is_integer() else value
+
+
+def choose_target_modules(linear: set[str], wanted) -> list[str]:
+    """The adapter's target leaf names, from the model's linear leaf names and the config's wish.
+
+    Shared by every backend so that `all-linear` and the error for a name that
+    matches nothing read the same on torch and MLX.
+    """
+    if wanted == "all-linear":
+        if not linear:
+            raise MudpuppyError("adapter.target_modules: this model has no linear layers to adapt")
+        return sorted(linear)
+    missing = [w for w in wanted if w not in linear]
+    if missing:
+        raise MudpuppyError(
+            f"adapter.target_modules: {', '.join(missing)} match no linear layer in this model; "
+            f"its linear layers are: {', '.join(sorted(linear))}")
+    return list(wanted)

@@ -217,3 +217,27 @@ def progress_bar(total: int, done: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True)
+
+
+def run_summary(cfg, result: RunResult, info, n_train: int, n_val: int, **extra) -> dict:
+    """What run_summary.json holds for every method; a recipe adds its own fields via `extra`."""
+    return {
+        "status": "finished",
+        "method": cfg.method,
+        "adapter": info.kind,
+        "base_model": cfg.model.base_model,
+        "steps": result.steps,
+        "first_loss": result.losses[0] if result.losses else None,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "skipped_steps": result.skipped_steps,
+        "stopped_early": result.stopped_early,
+        "resumed_from_step": result.resumed_from,
+        "trainable_params": info.trainable_params,
+        "train_examples": n_train,
+        "val_examples": n_val,
+        **extra,
+        "tokens_per_second": round(result.tokens_per_second, 1),
+        "seconds": round(result.seconds, 1),
+        "eval_before": result.before.as_dict() if result.before else None,
+        "eval_after": result.after.as_dict() if result.after else None,
+    }

@@ -24,7 +24,8 @@ from ..errors import DataError
 from ..evaluation import ObjectiveEval, evaluate_objective
 from . import outputs
 from .loop import (
-    LoopState, RunResult, checkpoint_writer, restore, resumed_step, save_trained, total_steps_for, train_loop,
+    LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, total_steps_for,
+    train_loop,
 )
 
 SHOWN = 5      # bad records listed in an error
@@ -166,25 +167,6 @@ def describe_drops(screening: Screening, no_room: int, report, sequence_len: int
 
 
 def summary(cfg, result: RunResult, info, n_train: int, n_val: int, screening: Screening, no_room: int) -> dict:
-    return {
-        "status": "finished",
-        "method": cfg.method,
-        "objective": cfg.data_method(),
-        "adapter": info.kind,
-        "base_model": cfg.model.base_model,
-        "steps": result.steps,
-        "first_loss": result.losses[0] if result.losses else None,
-        "final_loss": result.losses[-1] if result.losses else None,
-        "skipped_steps": result.skipped_steps,
-        "stopped_early": result.stopped_early,
-        "resumed_from_step": result.resumed_from,
-        "trainable_params": info.trainable_params,
-        "train_examples": n_train,
-        "val_examples": n_val,
-        "dropped": {**screening.counts(), **({"no room within sequence_len": no_room} if no_room else {})},
-        "tokens_per_second": round(result.tokens_per_second, 1),
-        "seconds": round(result.seconds, 1),
-        "eval_before": result.before.as_dict() if result.before else None,
-        "eval_after": result.after.as_dict() if result.after else None,
-    }
+    dropped = {**screening.counts(), **({"no room within sequence_len": no_room} if no_room else {})}
+    return run_summary(cfg, result, info, n_train, n_val, objective=cfg.data_method(), dropped=dropped)
 

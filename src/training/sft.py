@@ -22,7 +22,8 @@ from ..evaluation import EvalResult, evaluate, heldout_loss
 from . import outputs
 from .merge import merge_run
 from .loop import (
-    LoopState, RunResult, checkpoint_writer, restore, resumed_step, save_trained, total_steps_for, train_loop,
+    LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, total_steps_for,
+    train_loop,
 )
 
 
@@ -96,22 +97,4 @@ def _describe(ev: EvalResult) -> str:
 
 
 def _summary(cfg, result: RunResult, info, rep) -> dict:
-    return {
-        "status": "finished",
-        "method": cfg.method,
-        "adapter": info.kind,
-        "base_model": cfg.model.base_model,
-        "steps": result.steps,
-        "first_loss": result.losses[0] if result.losses else None,
-        "final_loss": result.losses[-1] if result.losses else None,
-        "skipped_steps": result.skipped_steps,
-        "stopped_early": result.stopped_early,
-        "resumed_from_step": result.resumed_from,
-        "trainable_params": info.trainable_params,
-        "train_examples": rep.train_examples,
-        "val_examples": rep.val_examples,
-        "tokens_per_second": round(result.tokens_per_second, 1),
-        "seconds": round(result.seconds, 1),
-        "eval_before": result.before.as_dict() if result.before else None,
-        "eval_after": result.after.as_dict() if result.after else None,
-    }
+    return run_summary(cfg, result, info, rep.train_examples, rep.val_examples)

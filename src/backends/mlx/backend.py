@@ -19,6 +19,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ...errors import MudpuppyError
+from ..adapters import choose_target_modules
 from ..protocol import AdapterInfo
 from . import adapter_io, forward
 from .layers import (
@@ -109,17 +110,7 @@ class MlxBackend:
     @staticmethod
     def _target_modules(model, wanted) -> list[str]:
         """Leaf names of the linear layers to adapt; the output head is never a target (as on torch)."""
-        linear = {p.rsplit(".", 1)[-1] for p in linear_layers(model)}
-        if wanted == "all-linear":
-            if not linear:
-                raise MudpuppyError("adapter.target_modules: this model has no linear layers to adapt")
-            return sorted(linear)
-        missing = [w for w in wanted if w not in linear]
-        if missing:
-            raise MudpuppyError(
-                f"adapter.target_modules: {', '.join(missing)} match no linear layer in this model; "
-                f"its linear layers are: {', '.join(sorted(linear))}")
-        return list(wanted)
+        return choose_target_modules({p.rsplit(".", 1)[-1] for p in linear_layers(model)}, wanted)
 
     def save_adapter(self, handle: MlxModel, path: str) -> None:
         adapter_io.save_adapter(handle, path)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ...errors import MudpuppyError
+from ..adapters import choose_target_modules
 from ..models import resolve_model
 from ..protocol import AdapterInfo, StepResult
 from . import logprobs
@@ -164,17 +165,7 @@ class TorchBackend:
                                  getattr(model, "classifier", None)) if m is not None}
         linear = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
                   if isinstance(mod, torch.nn.Linear) and id(mod) not in heads}
-        if wanted == "all-linear":
-            if not linear:
-                raise MudpuppyError("adapter.target_modules: this model has no linear layers to adapt")
-            return sorted(linear)
-        missing = [w for w in wanted if w not in linear]
-        if missing:
-            raise MudpuppyError(
-                f"adapter.target_modules: {', '.join(missing)} match no linear layer in this model; "
-                f"its linear layers are: {', '.join(sorted(linear))}"
-            )
-        return list(wanted)
+        return choose_target_modules(linear, wanted)
 
     def save_adapter(self, handle: TorchModel, path: str) -> None:
         handle.model.save_pretrained(path, safe_serialization=True)
