@@ -93,10 +93,11 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tiny_config, tmp_path):
 
 
 class _InterruptingBackend:
-    """The cpu backend, with Ctrl-C arriving during the n-th optimizer step."""
+    """The cpu backend, with Ctrl-C (a real SIGINT) arriving during the n-th optimizer step;
+    `presses=2` presses it twice, which means "stop at once"."""
 
-    def __init__(self, inner, at_call):
-        self.inner, self.at_call, self.calls = inner, at_call, 0
+    def __init__(self, inner, at_call, presses=1):
+        self.inner, self.at_call, self.presses, self.calls = inner, at_call, presses, 0
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -108,22 +109,38 @@ class _InterruptingBackend:
         def interrupting(micro, lr):
             self.calls += 1
             if self.calls == self.at_call:
-                raise KeyboardInterrupt
+                for _ in range(self.presses):
+                    os.kill(os.getpid(), signal.SIGINT)
             return step(micro, lr)
 
         trainer.step = interrupting
         return trainer
 
 
-def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_config, tmp_path):
+def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(tiny_config, tmp_path):
+    """Ctrl-C mid-step: the step completes, a checkpoint is written, and the resumed run
+    equals an uninterrupted one (dropout on, so the RNG must be exactly where it was)."""
+    straight = run(load_config(resume_config(tiny_config, tmp_path / "straight")), create_backend("cpu"),
+                   echo=lambda *_: None)
     cfg = resume_config(tiny_config, tmp_path / "run")
     cfg["training"]["save_steps"] = 100
     with pytest.raises(Interrupted) as info:
         run(load_config(cfg), _InterruptingBackend(create_backend("cpu"), at_call=3), echo=lambda *_: None)
     assert info.value.exit_code == 130 and "--resume" in str(info.value)
-    assert [c.name for c in checkpoints.list_checkpoints(tmp_path / "run")] == ["step-00000002"]
+    assert [c.name for c in checkpoints.list_checkpoints(tmp_path / "run")] == ["step-00000003"]
     cfg["resume"] = True
-    assert run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None).steps == 2 * K
+    resumed = run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None)
+    assert resumed.steps == 2 * K and resumed.resumed_from == 3
+    np.testing.assert_allclose(resumed.losses, straight.losses, atol=1e-6, rtol=0)
+
+
+def test_second_ctrl_c_stops_at_once_and_saves_nothing_half_done(tiny_config, tmp_path):
+    cfg = resume_config(tiny_config, tmp_path / "run")
+    cfg["training"]["save_steps"] = 2
+    with pytest.raises(Interrupted, match="stopped at once during step 3; nothing was saved") as info:
+        run(load_config(cfg), _InterruptingBackend(create_backend("cpu"), at_call=3, presses=2), echo=lambda *_: None)
+    assert "step-00000002" in str(info.value)
+    assert [c.name for c in checkpoints.list_checkpoints(tmp_path / "run")] == ["step-00000002"]
 
 
 class _NaNOnce:

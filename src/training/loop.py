@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,20 +98,51 @@ def checkpoint_identity(cfg) -> dict:
     return identity
 
 
+class GracefulStop:
+    """Ctrl-C handling for the loop: the first press asks to stop after the step in progress,
+    a second press stops at once.
+
+    Stopping between steps is what makes the saved checkpoint exact: mid-step, the
+    optimizer update may be half applied and dropout's RNG has moved on, so a
+    checkpoint written then would not resume to the run that was interrupted.
+    """
+
+    def __init__(self, echo):
+        self.echo, self.requested, self.previous = echo, False, None
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.echo("\nstopping after this step to save a checkpoint (Ctrl-C again to stop at once, without saving)")
+
+
 def train_loop(cfg, trainer, batcher, state: LoopState, steps: int, save, out: Path, echo,
                objective=None, evaluate: Evaluate | None = None) -> bool:
+    with GracefulStop(echo) as stop:
+        return _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, evaluate, stop)
+
+
+def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, evaluate, stop) -> bool:
     """Run optimizer steps from state.step to `steps`; True when early stopping ended it."""
     t = cfg.training
     log = outputs.MetricsLog(out, truncate_after=state.step)
     bar = progress_bar(steps, state.step, cfg.logging.progress_bar)
     fault_step = int(os.environ.get(FAULT_ENV, "0") or 0)
     last_saved = state.step
-    rewind = None      # the batcher's position before the step in progress drew its batches
     try:
         while state.step < steps:
             step = state.step
             lr = learning_rate(t, step, steps)
-            rewind = batcher.state_dict()
             micro = [batcher.next_batch() for _ in range(t.gradient_accumulation_steps)]
             t0 = time.perf_counter()
             res = trainer.step(micro, lr) if objective is None else trainer.step(micro, lr, objective)
@@ -123,7 +155,6 @@ def train_loop(cfg, trainer, batcher, state: LoopState, steps: int, save, out: P
                         f"step {step + 1}: non-finite loss or gradient (loss {res.loss}, grad norm {res.grad_norm}); "
                         f"stopped with weights untouched (training.on_nan: stop){where}")
             state.step += 1
-            rewind = None
             state.train_time += dt
             state.tokens_seen += res.tokens
             state.losses.append(res.loss)
@@ -145,15 +176,16 @@ def train_loop(cfg, trainer, batcher, state: LoopState, steps: int, save, out: P
                 last_saved = state.step
             if fault_step and state.step == fault_step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if stop.requested and state.step < steps:
+                path = save(state) if state.step > last_saved else checkpoints.newest_checkpoint(out)
+                raise Interrupted(f"interrupted after step {state.step}; checkpoint saved to {path}. "
+                                  "Continue with: mudpuppy run --config ... --resume")
     except KeyboardInterrupt:
-        if rewind is not None:
-            # Interrupted mid-step: its batches were drawn but not trained on; a resumed run must see them.
-            batcher.load_state_dict(rewind)
-        if state.step > last_saved:
-            path = save(state)
-            raise Interrupted(f"interrupted at step {state.step}; checkpoint saved to {path}. "
-                              "Continue with: mudpuppy run --config ... --resume") from None
-        raise Interrupted(f"interrupted at step {state.step}; the newest checkpoint is up to date. "
+        # Stopped at once, possibly mid-step: what is in memory may be half updated, so
+        # nothing is saved; the newest complete checkpoint is where a resume starts.
+        newest = checkpoints.newest_checkpoint(out)
+        where = f"the newest complete checkpoint is {newest}" if newest else "no checkpoint had been written yet"
+        raise Interrupted(f"stopped at once during step {state.step + 1}; nothing was saved; {where}. "
                           "Continue with: mudpuppy run --config ... --resume") from None
     finally:
         if bar is not None:
