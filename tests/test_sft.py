@@ -204,3 +204,14 @@ def _safetensor_keys(directory):
         with safe_open(str(f), "np") as fh:
             keys += list(fh.keys())
     return keys
+
+
+def test_qlora_never_quantizes_a_scalar_head(tiny_config):
+    from mudpuppy.backends.torch.quantize import Linear4bit
+
+    backend = create_backend("cpu", precision="fp32")
+    cfg = load_config(tiny_config)
+    handle = backend.load_model(cfg.model, "fp32", head="sequence_classification")
+    backend.quantize_base(handle, cfg.adapter.model_copy(update={"type": "qlora"}))
+    assert not isinstance(handle.model.score, Linear4bit)
+    assert any(isinstance(m, Linear4bit) for m in handle.model.modules())

@@ -59,6 +59,11 @@ PEFT_UNCONVERTIBLE = {
     "alora_invocation_tokens": "activated LoRA (aLoRA)",
 }
 
+# A scalar head (reward models) trains in full beside the adapter: PEFT's modules_to_save under a
+# classification task. Its weight converts as it is, so only that use of modules_to_save is accepted.
+HEAD_TASKS = ("SEQ_CLS", "TOKEN_CLS")
+HEAD_MODULES = ["classifier", "score"]   # what PEFT's SEQ_CLS / TOKEN_CLS tasks list in modules_to_save
+
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 _LAYER_PATH = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
 
@@ -165,6 +170,8 @@ class Adapter:
     num_layers: int = -1                # mlx-lm's "last N blocks"; -1 = every block
     target_modules: list[str] | None = None  # PEFT's target_modules; None: each module's path in its block
     extra: dict = field(default_factory=dict)  # mudpuppy notes kept with the mlx-lm copy (e.g. quantization)
+    task_type: str = "CAUSAL_LM"        # PEFT's task; SEQ_CLS / TOKEN_CLS carry a head in `full`
+    full: dict[str, RawTensor] = field(default_factory=dict)  # fully trained head weights, e.g. score.weight
 
     @property
     def scale(self) -> float:
@@ -221,13 +228,20 @@ def adapter_from_peft(config: dict, tensors: dict[str, RawTensor], where: Path |
     if config.get("peft_type") != "LORA":
         raise AdapterError(f"{where}: peft_type {config.get('peft_type')!r} is not convertible; only LoRA "
                            "and DoRA adapters (peft_type LORA) have an mlx-lm equivalent")
-    used = [f"{key} ({why})" for key, why in PEFT_UNCONVERTIBLE.items() if config.get(key)]
+    task = config.get("task_type") or "CAUSAL_LM"
+    head_only = task in HEAD_TASKS and set(config.get("modules_to_save") or []) <= set(HEAD_MODULES)
+    used = [f"{key} ({why})" for key, why in PEFT_UNCONVERTIBLE.items()
+            if config.get(key) and not (key == "modules_to_save" and head_only)]
     if used:
         raise AdapterError(f"{where}: this adapter uses {', '.join(used)}, which mlx-lm adapters cannot express")
     modules: dict[str, dict[str, RawTensor]] = {}
+    full: dict[str, RawTensor] = {}
     suffixes = {".lora_A.weight": "a", ".lora_B.weight": "b", ".lora_magnitude_vector": "m",
                 ".lora_magnitude_vector.weight": "m"}
     for name, tensor in tensors.items():
+        if head_only and is_head_weight(name[len(PEFT_PREFIX):]) and name.startswith(PEFT_PREFIX):
+            full[name[len(PEFT_PREFIX):]] = tensor
+            continue
         hit = next((s for s in suffixes if name.endswith(s)), None)
         if hit is None or not name.startswith(PEFT_PREFIX):
             raise AdapterError(f"{where}: tensor {name!r} is not a LoRA A/B matrix or DoRA magnitude "
@@ -239,8 +253,14 @@ def adapter_from_peft(config: dict, tensors: dict[str, RawTensor], where: Path |
         kind="dora" if dora else "lora", r=int(config["r"]), alpha=float(config["lora_alpha"]),
         modules=_check_modules(modules, int(config["r"]), dora, where), rslora=bool(config.get("use_rslora")),
         dropout=float(config.get("lora_dropout") or 0.0), base_model=config.get("base_model_name_or_path"),
-        peft_config=config)
+        peft_config=config, task_type=task, full=full)
     return adapter
+
+
+def is_head_weight(name: str) -> bool:
+    """A top-level classification head's weight (score.weight, classifier.weight): trained in full."""
+    module, _, leaf = name.rpartition(".")
+    return module in HEAD_MODULES and leaf in ("weight", "bias")
 
 
 def adapter_from_mlx(config: dict, tensors: dict[str, RawTensor], where: Path | str = "<mlx>") -> Adapter:
@@ -252,8 +272,12 @@ def adapter_from_mlx(config: dict, tensors: dict[str, RawTensor], where: Path | 
     if "rank" not in params or "scale" not in params:
         raise AdapterError(f"{where}: lora_parameters must give rank and scale (mlx-lm's adapter_config schema)")
     modules: dict[str, dict[str, RawTensor]] = {}
+    full: dict[str, RawTensor] = {}
     leaves = {"lora_a": "a", "lora_b": "b", "m": "m"}
     for name, tensor in tensors.items():
+        if is_head_weight(name):
+            full[name] = tensor
+            continue
         path, _, leaf = name.rpartition(".")
         if leaf not in leaves or not path:
             raise AdapterError(f"{where}: tensor {name!r} is not a lora_a/lora_b/m adapter weight")
@@ -268,10 +292,15 @@ def adapter_from_mlx(config: dict, tensors: dict[str, RawTensor], where: Path | 
     rslora = bool(peft_config.get("use_rslora")) if peft_config else False
     scale = float(params["scale"])
     alpha = float(peft_config["lora_alpha"]) if peft_config else scale * r
+    task = ours.get("task_type") or (peft_config or {}).get("task_type") or "CAUSAL_LM"
+    if full and task not in HEAD_TASKS:
+        raise AdapterError(f"{where}: {', '.join(full)} is a trained head, but the config names no "
+                           "classification task (mudpuppy.task_type SEQ_CLS or TOKEN_CLS)")
     adapter = Adapter(
         kind=kind, r=r, alpha=alpha, modules=_check_modules(modules, r, kind == "dora", where), rslora=rslora,
         dropout=float(params.get("dropout") or 0.0), base_model=config.get("model"), peft_config=peft_config,
-        num_layers=int(config.get("num_layers", -1)), extra={k: v for k, v in ours.items() if k != "peft_config"})
+        num_layers=int(config.get("num_layers", -1)), task_type=task, full=full,
+        extra={k: v for k, v in ours.items() if k not in ("peft_config", "task_type")})
     if peft_config is not None and abs(adapter.scale - scale) > 1e-6 * max(1.0, abs(scale)):
         raise AdapterError(f"{where}: lora_parameters.scale {scale} disagrees with the PEFT config it records "
                            f"(lora_alpha {alpha}, r {r} give {adapter.scale}); the file was edited by hand")
@@ -305,11 +334,12 @@ def peft_config_for(adapter: Adapter) -> dict:
     if adapter.peft_config is not None:
         return adapter.peft_config
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": adapter.base_model,
+        "peft_type": "LORA", "task_type": adapter.task_type, "base_model_name_or_path": adapter.base_model,
         "r": adapter.r, "lora_alpha": _plain_number(adapter.alpha), "lora_dropout": adapter.dropout,
         "target_modules": adapter.target_modules or adapter.block_keys(), "use_dora": adapter.kind == "dora",
         "use_rslora": adapter.rslora, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
+        "init_lora_weights": True, "modules_to_save": list(HEAD_MODULES) if adapter.full else None,
+        "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
     }
     if adapter.num_layers != -1:
@@ -327,6 +357,7 @@ def write_peft(adapter: Adapter, out: str | Path) -> Path:
         tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = mod.lora_b
         if mod.magnitude is not None:
             tensors[f"{PEFT_PREFIX}{path}.lora_magnitude_vector"] = mod.magnitude
+    tensors.update({f"{PEFT_PREFIX}{name}": tensor for name, tensor in adapter.full.items()})
     write_safetensors(root / PEFT_WEIGHTS, tensors, {"format": "pt"})
     write_json(root / CONFIG_FILE, peft_config_for(adapter))
     return root
@@ -335,6 +366,8 @@ def write_peft(adapter: Adapter, out: str | Path) -> Path:
 def mlx_config_for(adapter: Adapter) -> dict:
     ours = dict(adapter.extra)
     ours["peft_config"] = peft_config_for(adapter)
+    if adapter.full:
+        ours["task_type"] = adapter.task_type
     return {
         "fine_tune_type": adapter.kind,
         # -1 is mlx-lm's "every block": adapters may sit on any subset of blocks, and
@@ -356,6 +389,7 @@ def write_mlx(adapter: Adapter, out: str | Path) -> Path:
         tensors[f"{path}.lora_b"] = mod.lora_b.transposed()
         if mod.magnitude is not None:
             tensors[f"{path}.m"] = mod.magnitude
+    tensors.update(adapter.full)   # a trained head keeps its model name (score.weight), as mlx-lm's weights do
     write_safetensors(root / MLX_WEIGHTS, tensors, {"format": "mlx"})
     write_json(root / CONFIG_FILE, mlx_config_for(adapter))
     return root

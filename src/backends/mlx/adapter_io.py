@@ -11,10 +11,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ...errors import MudpuppyError
 from .. import adapters as fmt
 from .layers import adapter_layers, linear_dims, linear_layers, wrap_linears
+from .loading import HEAD_NAME
 
 
 def to_raw(array: mx.array) -> fmt.RawTensor:
@@ -42,9 +44,14 @@ def adapter_from_model(handle) -> fmt.Adapter:
         # PEFT orientation: A [r, in], B [out, r].
         modules[path] = fmt.ModuleAdapter(to_raw(layer.lora_a.T), to_raw(layer.lora_b.T), magnitude)
     extra = {"quantization": spec["quantization"]} if spec.get("quantization") else {}
+    # A scalar head trains in full beside the adapter; PEFT saves it as modules_to_save of its task.
+    full = ({f"{HEAD_NAME}.{k}": to_raw(v) for k, v in tree_flatten(handle.model[HEAD_NAME].parameters())}
+            if handle.head else {})
+    task = {"sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS"}.get(handle.head, "CAUSAL_LM")
     return fmt.Adapter(kind=spec["kind"], r=spec["r"], alpha=spec["alpha"], modules=modules,
                        rslora=spec["rslora"], dropout=spec["dropout"], base_model=handle.source,
-                       peft_config=spec.get("peft_config"), target_modules=spec.get("targets"), extra=extra)
+                       peft_config=spec.get("peft_config"), target_modules=spec.get("targets"), extra=extra,
+                       task_type=task, full=full)
 
 
 def save_adapter(handle, path: str) -> None:
@@ -76,7 +83,10 @@ def load_adapter(handle, path: str, trainable: bool = False) -> None:
         weights.append((f"{p}.lora_b", from_raw(mod.lora_b.transposed())))
         if mod.magnitude is not None:
             weights.append((f"{p}.m", from_raw(mod.magnitude)))
+    weights += head_weights(handle, adapter, path)
     handle.model.load_weights(weights, strict=False)
+    if trainable and handle.head:
+        handle.model[HEAD_NAME].unfreeze()  # the head trains in full, as after attach_adapter
     if not trainable:
         handle.model.freeze()  # as PEFT's from_pretrained: loaded for inference unless asked otherwise
     mx.eval(handle.model.parameters())
@@ -84,3 +94,21 @@ def load_adapter(handle, path: str, trainable: bool = False) -> None:
                       "dropout": adapter.dropout, "targets": adapter.block_keys(), "peft_config": adapter.peft_config,
                       "quantization": adapter.extra.get("quantization")}
 
+
+
+def head_weights(handle, adapter: fmt.Adapter, path: str) -> list[tuple[str, mx.array]]:
+    """The trained head an adapter carries, checked against the model's own head."""
+    if not adapter.full:
+        return []
+    if not handle.head:
+        raise MudpuppyError(f"load_adapter {path}: the adapter carries a trained head ({', '.join(adapter.full)}); "
+                            "load the model with its head (method rm or prm)")
+    own = dict(tree_flatten(handle.model[HEAD_NAME].parameters()))
+    out = []
+    for name, tensor in adapter.full.items():
+        leaf = name.split(".", 1)[1]
+        if leaf not in own or tuple(own[leaf].shape) != tuple(tensor.array.shape):
+            raise MudpuppyError(f"load_adapter {path}: the adapter's {name} {tuple(tensor.array.shape)} does not "
+                                f"fit this model's head ({', '.join(f'{k} {tuple(v.shape)}' for k, v in own.items())})")
+        out.append((f"{HEAD_NAME}.{leaf}", from_raw(tensor)))
+    return out

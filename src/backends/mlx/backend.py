@@ -3,7 +3,8 @@
 Mirrors `backends/torch/backend.py` method for method: the same model
 directory and Hugging Face tokenizer, PEFT's LoRA/DoRA formulas, the same
 loss, accumulation, clipping and optimizers, and adapters saved in PEFT's
-format (plus mlx-lm's in `mlx/`). What MLX cannot do yet is refused with
+format (plus mlx-lm's in `mlx/`), and scalar-head (reward) models built as
+transformers builds them. What MLX cannot do yet is refused with
 an error that names the option, never handed to torch behind the user's back.
 """
 
@@ -29,7 +30,7 @@ from .layers import (
     merge_adapters,
     wrap_linears,
 )
-from .loading import DTYPES, MlxModel, count_parameters, load_model
+from .loading import DTYPES, HEAD_NAME, MlxModel, count_parameters, head_config, load_model
 from .ops import MlxOps
 from .quantize import quantize_base
 from .state import load_training_state, save_training_state
@@ -46,10 +47,7 @@ class MlxBackend:
 
     # ------------------------------------------------------------------ models
     def load_model(self, model_cfg, precision: str = "auto", head: str | None = None) -> MlxModel:
-        if head is not None:
-            raise MudpuppyError(f"a {head} head (reward and process reward models) is not available on MLX "
-                                "yet: mlx-lm builds causal language models only; use a torch backend")
-        return load_model(model_cfg, precision, self.gpu)
+        return load_model(model_cfg, precision, self.gpu, head)
 
     def save_model(self, handle: MlxModel, path: str) -> None:
         """A full model as transformers saves one: config.json, model.safetensors, tokenizer."""
@@ -63,6 +61,8 @@ class MlxBackend:
         mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
         dtype = next(iter(weights.values())).dtype
         config = {**handle.config, "dtype": {v: k for k, v in DTYPES.items() if k != "auto"}[dtype]}
+        if handle.head:
+            config = head_config(config, handle.head, handle.tokenizer.pad_token_id)
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         handle.tokenizer.save_pretrained(str(out))
 
@@ -94,12 +94,16 @@ class MlxBackend:
             if kind == "qlora":
                 quantization = self.quantize_base(handle, adapter_cfg)
             if handle.precision == "bf16":
-                model.set_dtype(mx.bfloat16)  # the frozen base; adapter weights below are created in fp32
+                # The frozen base; adapter weights below are created in fp32, and a scalar head,
+                # trained in full, stays fp32 as PEFT keeps its modules_to_save.
+                (model.model if handle.head else model).set_dtype(mx.bfloat16)
             leaves = self._target_modules(model, adapter_cfg.target_modules)
             paths = sorted(p for p in linear_layers(model) if p.rsplit(".", 1)[-1] in leaves)
             scale = adapter_cfg.alpha / (adapter_cfg.r ** 0.5 if adapter_cfg.rslora else adapter_cfg.r)
             layer_kind = "dora" if kind == "dora" else "lora"
             wrap_linears(model, paths, layer_kind, adapter_cfg.r, scale, adapter_cfg.dropout)
+            if handle.head:
+                model[HEAD_NAME].unfreeze()  # a new head is never a target: it trains in full (PEFT's modules_to_save)
             handle.adapter = {"kind": layer_kind, "r": adapter_cfg.r, "alpha": adapter_cfg.alpha,
                               "rslora": adapter_cfg.rslora, "dropout": adapter_cfg.dropout, "targets": leaves,
                               "quantization": quantization}
@@ -167,11 +171,29 @@ class MlxBackend:
             sums, _ = forward.sequence_logprobs(handle, batch)
             return mx.stop_gradient(sums)
 
-    def sequence_scores(self, handle: MlxModel, batch, grad: bool = True):
-        raise MudpuppyError("sequence scores need a sequence_classification head, which MLX does not have yet")
+    def sequence_scores(self, handle: MlxModel, batch, grad: bool = True) -> mx.array:
+        """The score per row [B], at each row's last real token (transformers' rule)."""
+        self._require_head(handle, "sequence_classification")
+        return self._scores(forward.sequence_scores, handle, batch, grad)
 
-    def token_scores(self, handle: MlxModel, batch, grad: bool = True):
-        raise MudpuppyError("token scores need a token_classification head, which MLX does not have yet")
+    def token_scores(self, handle: MlxModel, batch, grad: bool = True) -> mx.array:
+        """Logits [N, classes] where batch.labels != -100, row-major."""
+        self._require_head(handle, "token_classification")
+        return self._scores(forward.token_scores, handle, batch, grad)
+
+    @staticmethod
+    def _scores(fn, handle: MlxModel, batch, grad: bool) -> mx.array:
+        """As sequence_logprobs: without `grad`, eval mode (no dropout) and no gradient."""
+        if grad:
+            return fn(handle, batch)
+        with eval_mode(handle.model):
+            return mx.stop_gradient(fn(handle, batch))
+
+    @staticmethod
+    def _require_head(handle: MlxModel, head: str) -> None:
+        if handle.head != head:
+            raise MudpuppyError(f"this model was loaded with head {handle.head or 'causal_lm'!r}; "
+                                f"scores need load_model(..., head={head!r})")
 
     def logits(self, handle: MlxModel, batch) -> np.ndarray:
         handle.model.eval()

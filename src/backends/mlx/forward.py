@@ -195,3 +195,35 @@ def logits(handle, batch) -> np.ndarray:
     model = handle.model
     out = model(mx.array(batch.input_ids), cache=model_caches(model, batch_mask(handle, batch, exact_padding=True)))
     return np.array(out.astype(mx.float32))
+
+
+def head_logits(handle, batch) -> mx.array:
+    """A scalar-head model's float32 logits [B, T, classes]. Right padding needs no mask: the
+    positions read are real tokens, which never see a later (padding) one."""
+    model = handle.model
+    out = model(mx.array(batch.input_ids), cache=model_caches(model, batch_mask(handle, batch, exact_padding=False)))
+    return out.astype(mx.float32)
+
+
+def last_real_token(input_ids: np.ndarray, pad_token_id: int | None) -> np.ndarray:
+    """Per row, the rightmost position whose id is not the pad id: transformers' rule, kept to the
+    letter (an end token equal to the pad id counts as padding there too), so scores match."""
+    ids = np.asarray(input_ids)
+    if pad_token_id is None:
+        return np.full(ids.shape[0], ids.shape[1] - 1)
+    return (np.arange(ids.shape[1]) * (ids != pad_token_id)).argmax(axis=-1)
+
+
+def sequence_scores(handle, batch) -> mx.array:
+    """The score per row [B], read at each row's last real token."""
+    logits = head_logits(handle, batch)
+    rows = np.arange(logits.shape[0])
+    last = last_real_token(batch.input_ids, handle.tokenizer.pad_token_id)
+    return logits[mx.array(rows), mx.array(last), 0]
+
+
+def token_scores(handle, batch) -> mx.array:
+    """Logits [N, classes] where labels != -100, row-major (as torch's boolean indexing)."""
+    logits = head_logits(handle, batch)
+    keep = np.flatnonzero(np.asarray(batch.labels).reshape(-1) != IGNORE_INDEX)
+    return logits.reshape(-1, logits.shape[-1])[mx.array(keep.astype(np.uint32))]

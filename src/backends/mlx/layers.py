@@ -22,6 +22,7 @@ from mlx import nn
 from mlx.utils import tree_unflatten
 
 ADAPTER_PARAMS = ("lora_a", "lora_b", "m")
+HEAD_LEAVES = ("lm_head", "score")   # output heads: never adapted (a scalar head trains in full instead)
 
 
 def base_weight(linear: nn.Module) -> mx.array:
@@ -137,9 +138,9 @@ def adapters_disabled(model: nn.Module):
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Module path -> plain or quantized linear, without the output head (never a target, as in PEFT)."""
+    """Module path -> plain or quantized linear, without the output heads (never targets, as in PEFT)."""
     return {name: mod for name, mod in model.named_modules()
-            if isinstance(mod, (nn.Linear, nn.QuantizedLinear)) and name.rsplit(".", 1)[-1] != "lm_head"}
+            if isinstance(mod, (nn.Linear, nn.QuantizedLinear)) and name.rsplit(".", 1)[-1] not in HEAD_LEAVES}
 
 
 def wrap_linears(model: nn.Module, paths: list[str], kind: str, r: int, scale: float, dropout: float) -> None:

@@ -15,6 +15,38 @@ from ...errors import MudpuppyError
 from ..models import patch_rope_theta, resolve_model
 
 DTYPES = {"auto": mx.float32, "float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+# Scalar-head models: classes per position and the transformers class-name suffix, as on torch.
+HEADS = {"sequence_classification": (1, "ForSequenceClassification"),
+         "token_classification": (2, "ForTokenClassification")}
+HEAD_NAME = "score"    # transformers' name for the Llama-family classification head
+
+
+class ScoreModel(nn.Module):
+    """The decoder of an mlx-lm causal LM under a new linear `score` head, laid out as transformers'
+    *ForSequenceClassification / *ForTokenClassification: parameters `model.*` and `score.*`,
+    so a saved model loads there as it is. Logits [B, T, num_labels] at every position.
+
+    As transformers: the sequence head has no bias and no dropout; the token head has a bias
+    and drops hidden states (classifier_dropout, else hidden_dropout, else 0.1) while training."""
+
+    def __init__(self, causal: nn.Module, hidden_size: int, num_labels: int, init_std: float,
+                 bias: bool = False, dropout: float = 0.0):
+        super().__init__()
+        self.model = causal.model
+        self.dropout = nn.Dropout(p=dropout) if dropout > 0 else None
+        # transformers' _init_weights for a new Linear: weight N(0, initializer_range), bias zero.
+        self.score = nn.Linear(hidden_size, num_labels, bias=bias)
+        self.score.weight = mx.random.normal((num_labels, hidden_size)) * init_std
+        if bias:
+            self.score.bias = mx.zeros((num_labels,))
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        hidden = self.model(inputs, cache)
+        return self.score(self.dropout(hidden) if self.dropout is not None else hidden)
 
 
 @dataclass
@@ -29,14 +61,17 @@ class MlxModel:
     split_head: bool = False                   # the head can run on loss positions only (see forward.py)
     masks: bool = False                        # the model honours explicit attention masks
     packable: bool = False                     # masks and rotary positions: packed rows are exact
+    head: str | None = None                    # None (causal LM) or a key of HEADS
     adapter: dict = field(default_factory=dict)  # kind, r, alpha, rslora, dropout, targets, quantization
 
 
-def load_model(model_cfg, precision: str, gpu: bool) -> MlxModel:
+def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None) -> MlxModel:
     from mlx_lm.utils import load_model as mlx_load_model
 
     from .forward import check_forward_paths, uses_rotary_positions
 
+    if head is not None and head not in HEADS:
+        raise MudpuppyError(f"unknown model head {head!r}; known: {', '.join(HEADS)}")
     precision = resolve_precision(precision, gpu)  # a refused precision should not wait for the weights
     resolved = resolve_model(model_cfg.base_model, model_cfg.revision, model_cfg.trust_remote_code)
     config = patch_rope_theta(json.loads((Path(resolved.path) / "config.json").read_text()))
@@ -51,13 +86,38 @@ def load_model(model_cfg, precision: str, gpu: bool) -> MlxModel:
     except ValueError as exc:
         raise MudpuppyError(f"model.base_model {model_cfg.base_model!r}: mlx-lm cannot build it ({exc}); "
                             "use a torch backend for this architecture") from None
+    if head is not None:
+        model = with_score_head(model, config, head)
     model.set_dtype(DTYPES[model_cfg.dtype])
     model.eval()
     tokenizer = load_tokenizer(model_cfg, Path(resolved.path))
-    handle = MlxModel(model, tokenizer, str(resolved.path), config, precision)
+    handle = MlxModel(model, tokenizer, str(resolved.path), config, precision, head=head)
     handle.split_head, handle.masks = check_forward_paths(model)
     handle.packable = handle.masks and uses_rotary_positions(model)
     return handle
+
+
+def with_score_head(causal: nn.Module, config: dict, head: str) -> ScoreModel:
+    """The causal LM's decoder under a fresh score head (the LM head is dropped, as transformers does)."""
+    if not callable(getattr(causal, "model", None)) or "hidden_size" not in config:
+        raise MudpuppyError(f"a {head} head needs a decoder-then-head model with a hidden_size; "
+                            f"mlx-lm's {type(causal).__name__} is not one; use a torch backend")
+    num_labels, std = HEADS[head][0], config.get("initializer_range", 0.02)
+    if head == "sequence_classification":
+        return ScoreModel(causal, config["hidden_size"], num_labels, std)
+    dropout = next((config[k] for k in ("classifier_dropout", "hidden_dropout") if config.get(k) is not None), 0.1)
+    bias = config.get("token_classification_bias", True)
+    return ScoreModel(causal, config["hidden_size"], num_labels, std, bias=bias, dropout=dropout)
+
+
+def head_config(config: dict, head: str, pad_token_id: int | None) -> dict:
+    """config.json for a scalar-head model, as transformers writes it: the class, the labels, and the
+    pad id by which the sequence score finds each row's last real token."""
+    num_labels, suffix = HEADS[head]
+    arches = [a.replace("ForCausalLM", suffix) for a in config.get("architectures") or []]
+    labels = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    return {**config, "architectures": arches, "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()},
+            "pad_token_id": pad_token_id}
 
 
 def load_tokenizer(model_cfg, default_path: Path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from mlx import nn
 
 from ...errors import MudpuppyError
+from .layers import HEAD_LEAVES
 
 # quant_backend -> (mode, bits, group size), the values mx.quantize documents for each mode.
 FORMATS = {
@@ -34,7 +35,7 @@ def quantize_base(model: nn.Module, quant_backend: str = "int4") -> dict:
     chosen, skipped = [], []
 
     def pick(path: str, module: nn.Module) -> bool:
-        if not isinstance(module, nn.Linear) or path.rsplit(".", 1)[-1] == "lm_head":
+        if not isinstance(module, nn.Linear) or path.rsplit(".", 1)[-1] in HEAD_LEAVES:
             return False
         if module.weight.shape[-1] % group_size:
             skipped.append(path)

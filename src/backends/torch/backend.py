@@ -154,7 +154,9 @@ class TorchBackend:
         """
         from .quantize import quantize_model
 
-        report = quantize_model(handle.model, adapter_cfg.quant_backend, adapter_cfg.quant_group_size)
+        # Output and scalar heads stay full precision: a reward model's new head trains in full.
+        report = quantize_model(handle.model, adapter_cfg.quant_backend, adapter_cfg.quant_group_size,
+                                skip_modules=("lm_head", "score", "classifier"))
         return report.summary()
 
     @staticmethod

@@ -92,6 +92,12 @@ def test_left_padding_gets_an_exact_mask(tiny_model_dir, torch_backend, mlx_back
     assert mlx_backend.evaluate_loss(mh, [left])[0] == pytest.approx(torch_backend.evaluate_loss(th, [left])[0], rel=1e-5)
 
 
-def test_scalar_heads_are_refused_by_name(tiny_model_dir, mlx_backend):
-    with pytest.raises(MudpuppyError, match="sequence_classification head .* not available on MLX"):
-        mlx_backend.load_model(model_cfg(tiny_model_dir), "fp32", head="sequence_classification")
+def test_an_unknown_head_is_refused_by_name(tiny_model_dir, mlx_backend):
+    with pytest.raises(MudpuppyError, match="unknown model head 'regression'"):
+        mlx_backend.load_model(model_cfg(tiny_model_dir), "fp32", head="regression")
+
+
+def test_scores_need_the_matching_head(tiny_model_dir, mlx_backend):
+    handle = mlx_backend.load_model(model_cfg(tiny_model_dir), "fp32")
+    with pytest.raises(MudpuppyError, match="scores need load_model"):
+        mlx_backend.sequence_scores(handle, None)
