@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...errors import MudpuppyError
+from ..state_check import check_state_fits
 from .layers import adapter_layers
 
 WEIGHTS = "trainable.safetensors"
@@ -37,14 +37,7 @@ def load_training_state(backend, handle, trainer, path: str | Path) -> None:
     path = Path(path)
     weights = mx.load(str(path / WEIGHTS))
     trainable = dict(tree_flatten(handle.model.trainable_parameters()))
-    missing = [n for n in trainable if n not in weights]
-    unexpected = [n for n in weights if n not in trainable]
-    if missing or unexpected:
-        example = (missing or unexpected)[0]
-        raise MudpuppyError(
-            f"checkpoint {path} does not fit this model and adapter "
-            f"({len(missing)} trainable tensors missing, {len(unexpected)} unexpected, e.g. {example}); "
-            "resume with the config that made it")
+    check_state_fits(path, trainable, weights)
     handle.model.load_weights(list(weights.items()), strict=False)
     with np.load(path / OPTIMIZER) as stored:
         optimizer = {k: stored[k] for k in stored.files}

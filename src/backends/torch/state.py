@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ...errors import MudpuppyError
+from ..state_check import check_state_fits
 
 WEIGHTS = "trainable.safetensors"
 TRAINER = "trainer.pt"
@@ -33,14 +33,7 @@ def load_training_state(backend, handle, trainer, path: str | Path) -> None:
     path = Path(path)
     tensors = load_file(str(path / WEIGHTS))
     params = dict(handle.model.named_parameters())
-    missing = [n for n, p in params.items() if p.requires_grad and n not in tensors]
-    unexpected = [n for n in tensors if n not in params]
-    if missing or unexpected:
-        example = (missing or unexpected)[0]
-        raise MudpuppyError(
-            f"checkpoint {path} does not fit this model and adapter "
-            f"({len(missing)} trainable tensors missing, {len(unexpected)} unexpected, e.g. {example}); "
-            "resume with the config that made it")
+    check_state_fits(path, [n for n, p in params.items() if p.requires_grad], tensors)
     with torch.no_grad():
         for name, tensor in tensors.items():
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
