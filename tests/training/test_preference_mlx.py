@@ -49,13 +49,14 @@ def prepared_items(cfg, tokenizer, kind: str):
     return [collate_items(items[i : i + 4], tokenizer.pad_token_id) for i in range(0, len(items), 4)]
 
 
-def same_adapter(backends, cfg, tmp_path):
-    """Both runtimes on the tiny model with one PEFT adapter whose B is random (policy != reference)."""
+def same_adapter(backends, cfg, tmp_path, head=None):
+    """Both runtimes on the tiny model with one PEFT adapter whose B is random (policy != reference);
+    with `head`, the scalar head (saved with the adapter) is shared too."""
     import torch
 
     torch_backend, mlx_backend = backends
     torch_backend.seed(cfg.training.seed)
-    th = torch_backend.load_model(cfg.model, "fp32")
+    th = torch_backend.load_model(cfg.model, "fp32", head=head)
     torch_backend.attach_adapter(th, cfg.adapter)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -63,7 +64,7 @@ def same_adapter(backends, cfg, tmp_path):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     torch_backend.save_adapter(th, str(tmp_path / "adapter"))
-    mh = mlx_backend.load_model(cfg.model, "fp32")
+    mh = mlx_backend.load_model(cfg.model, "fp32", head=head)
     mlx_backend.load_adapter(mh, str(tmp_path / "adapter"), trainable=True)
     return th, mh
 

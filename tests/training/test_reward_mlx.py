@@ -18,6 +18,7 @@ from mudpuppy.data import prepare_data
 from mudpuppy.data.pairs import collate_items, collate_steps, pair_items, scored_items
 from mudpuppy.training.reward import HEADS, RewardObjective, StepObjective
 
+from .test_preference_mlx import same_adapter
 from .test_reward import reward_config
 
 pytestmark = pytest.mark.mlx
@@ -27,25 +28,6 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def backends():
     return create_backend("cpu"), create_backend("mlx")
-
-
-def same_weights(backends, cfg, head, tmp_path):
-    """Both runtimes with one PEFT adapter (random B, so it matters) and the torch head's weights."""
-    import torch
-
-    torch_backend, mlx_backend = backends
-    torch_backend.seed(cfg.training.seed)
-    th = torch_backend.load_model(cfg.model, "fp32", head=head)
-    torch_backend.attach_adapter(th, cfg.adapter)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in th.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    torch_backend.save_adapter(th, str(tmp_path / "adapter"))
-    mh = mlx_backend.load_model(cfg.model, "fp32", head=head)
-    mlx_backend.load_adapter(mh, str(tmp_path / "adapter"), trainable=True)
-    return th, mh
 
 
 def batches_for(cfg, tokenizer, items_fn, collate):
@@ -70,7 +52,7 @@ def train_both(backends, handles, objectives, batches, training_cfg, steps=2):
 def check(backends, cfg_dict, head, objectives, batches_fn, tmp_path) -> float:
     """The largest gap between the runtimes: loss and metrics, then the loss after each update."""
     cfg = load_config(cfg_dict)
-    th, mh = same_weights(backends, cfg, head, tmp_path)
+    th, mh = same_adapter(backends, cfg, tmp_path, head=head)
     batches = batches_fn(cfg, th.tokenizer)
     (t_loss, t_metrics), (m_loss, m_metrics) = (objectives[0](th, batches[0], grad=False),
                                                 objectives[1](mh, batches[0], grad=False))
