@@ -215,3 +215,14 @@ def test_qlora_never_quantizes_a_scalar_head(tiny_config):
     backend.quantize_base(handle, cfg.adapter.model_copy(update={"type": "qlora"}))
     assert not isinstance(handle.model.score, Linear4bit)
     assert any(isinstance(m, Linear4bit) for m in handle.model.modules())
+
+
+def test_generation_stops_only_on_tokens_the_vocabulary_has(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from mudpuppy.evaluation.heldout import stop_token_ids
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    im_end = tok.get_vocab()["<|im_end|>"]
+    assert stop_token_ids(tok) == [im_end]          # eos is <|im_end|> here; no unk id sneaks in
+    assert tok.unk_token_id not in stop_token_ids(tok)

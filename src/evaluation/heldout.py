@@ -27,6 +27,23 @@ def heldout_loss(backend, handle, examples, batch_size: int) -> tuple[float, flo
     return loss, math.exp(min(loss, 50.0))
 
 
+# End-of-turn markers of the built-in chat templates (chatml, llama3, gemma, phi3).
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """EOS plus whichever end-of-turn markers this vocabulary really has.
+
+    convert_tokens_to_ids maps an unknown token to the unk id, which must not
+    become a stop token, so markers are looked up in the vocabulary itself.
+    """
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[t] for t in END_OF_TURN if t in vocab}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
 def normalize_answer(text: str) -> str:
     return " ".join(text.strip().split()).lower()
 
@@ -34,7 +51,7 @@ def normalize_answer(text: str) -> str:
 def exact_match(backend, handle, records: list[dict], max_new_tokens: int, batch_size: int) -> tuple[float, list[dict]]:
     """Share of chat records whose greedy answer equals the reference (whitespace and case folded)."""
     tok = handle.tokenizer
-    stop = sorted({t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int) and t >= 0})
+    stop = stop_token_ids(tok)
     pairs = [generation_prompt(tok, r["messages"]) for r in records]
     hits, shown = 0, []
     # Shortest prompts together: less left-padding per generation batch.
