@@ -51,7 +51,7 @@ def build_tokenizer(path: Path):
     return fast
 
 
-def build_tiny_model(path: Path, seed: int = 0) -> Path:
+def build_tiny_model(path: Path, seed: int = 0, hidden_size: int = 32) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -59,7 +59,7 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     tok = build_tokenizer(path)
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=True, initializer_range=0.2,  # wide enough that logits can move
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -12,30 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ...conftest import QUICKSTART_DATA, build_tokenizer
-
-
-def build_wide_tiny_model(path: Path, seed: int = 0) -> Path:
-    """Like the shared tiny model but 64 wide, so int4's groups of 64 fit (QLoRA tests)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(path)
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, initializer_range=0.2, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    return path
+from ...conftest import QUICKSTART_DATA, build_tiny_model
 
 
 @pytest.fixture(scope="session")
 def wide_model_dir(tmp_path_factory) -> Path:
-    return build_wide_tiny_model(tmp_path_factory.mktemp("tiny-llama-64"))
+    """The shared tiny model, 64 wide, so int4's groups of 64 fit (QLoRA tests)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-64"), hidden_size=64)
 
 
 @pytest.fixture()
