@@ -37,7 +37,9 @@ class ModelConfig(_Strict):
     tokenizer: str | None = Field(None, description="defaults to base_model")
     revision: str | None = None
     trust_remote_code: bool = False
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="storage dtype of the frozen base: auto = the device's compute dtype (bf16, or fp16 on "
+                            "GPUs without bf16; fp32 where neither is native), fp32 for weights that train in full")
 
 
 class AdapterConfig(_Strict):
@@ -145,7 +147,8 @@ class TrainingConfig(_Strict):
     warmup_steps: int = Field(0, ge=0)
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    optimizer: Literal["adamw", "sgd", "adafactor"] = "adamw"
+    optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit", "sgd", "adafactor"] = Field(
+        "adamw", description="adamw_8bit / adamw_4bit: torchao's low-bit AdamW states (torch backends, extra torchao)")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="sgd only")
     weight_decay: float = Field(0.0, ge=0.0)
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
@@ -154,6 +157,7 @@ class TrainingConfig(_Strict):
     precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
     gradient_checkpointing: bool | None = Field(
         None, description="recompute activations in backward to save memory; default: on where the backend has it")
+    compile: bool = Field(False, description="torch.compile each decoder layer (torch), mx.compile the step (MLX)")
     seed: int = 42
     save_steps: int | None = Field(None, gt=0, description="checkpoint every N optimizer steps (and at the end)")
     keep_last_n: int | None = Field(3, gt=0, description="checkpoints kept; older ones are deleted")
@@ -214,6 +218,21 @@ class RewardConfig(_Strict):
     bad_pairs: Literal["drop", "error"] = Field("drop", description="rm pairs: as preference.bad_pairs")
 
 
+class MemoryConfig(_Strict):
+    """How a run fits in device memory; each option is exact (same losses and weights). See docs/memory.md."""
+
+    optimizer_offload: bool = Field(
+        False, description="keep optimizer state and fp32 master weights in host memory between steps (ROCm, CUDA)")
+    activation_offload: bool = Field(
+        False, description="keep saved activations (with checkpointing: each layer's input) in host memory (ROCm, CUDA)")
+    stream_layers: bool = Field(
+        False, description="frozen base linear layers live in host memory and visit the device per use (ROCm, CUDA)")
+
+    def requested(self) -> list[str]:
+        """The `memory.*` keys switched on, for messages."""
+        return [f"memory.{name}" for name, on in self.model_dump().items() if on]
+
+
 class LoggingConfig(_Strict):
     log_every: int = Field(1, gt=0)
     progress_bar: bool = True
@@ -230,6 +249,7 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     output_dir: str = Field(min_length=1)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     resume: bool | Literal["auto"] = Field(False, description="continue from the newest complete checkpoint")
     merge: bool = Field(False, description="merge the adapter into the base model at the end of the run")
     merge_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -263,6 +283,9 @@ class RunConfig(_Strict):
             # fine-tuning has no such switch, and a frozen copy would double the model's memory.
             problems.append(f"preference.precompute_ref: {pref.type} needs reference log-probs; with adapter.type none set "
                             "preference.precompute_ref: true (computed once from the untrained weights)")
+        if self.memory.stream_layers and self.adapter.type == "none":
+            problems.append("memory.stream_layers: streaming moves frozen base layers; with adapter.type none every "
+                            "weight trains (use lora/qlora, or memory.optimizer_offload for full fine-tuning)")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -279,7 +302,8 @@ class RunConfig(_Strict):
 
     def backend_options(self) -> dict[str, Any]:
         """What `create_backend` needs from the config besides the name."""
-        return {"devices": self.devices, "precision": self.training.precision}
+        return {"devices": self.devices, "precision": self.training.precision, "memory": self.memory,
+                "optimizer": self.training.optimizer}
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"source_dir"})

@@ -50,6 +50,9 @@ class DevicePlan:
     devices: list[int] = field(default_factory=list)    # torch indices of the GPUs in use
     precision: str = ""               # bf16, fp16, fp32 or fp8, as chosen by the device module
     fp8: bool = False                 # train linear layers with torchao's float8 recipe
+    memory: Any = None                # config.MemoryConfig: offload and streaming (None: all off)
+    optimizer: str = "adamw"          # training.optimizer, checked against this device when the plan is made
+    host: torch.device = field(default_factory=lambda: torch.device("cpu"))   # where offloaded state lives
 
 
 @dataclass

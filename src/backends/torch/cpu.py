@@ -7,6 +7,8 @@ import torch
 from ...errors import MudpuppyError
 from ..protocol import Availability
 from .backend import DevicePlan, TorchBackend
+from .memory import check_memory_options
+from .optimizers import check_optimizer
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -29,14 +31,18 @@ def probe() -> Availability:
     )
 
 
-def create(availability: Availability, precision: str | None = None, devices=None, **_options) -> TorchBackend:
+def create(availability: Availability, precision: str | None = None, devices=None, memory=None,
+           optimizer: str = "adamw", **_options) -> TorchBackend:
     if precision in ("fp16", "fp8"):
         # fp16 on a CPU trains without loss scaling and is slower than bf16; fp8 needs GPU kernels.
         raise MudpuppyError(f"training.precision: {precision} needs a GPU; on the cpu backend use bf16 or fp32 "
                             "(auto picks bf16 where the CPU runs it natively)")
     if devices:
         raise MudpuppyError("devices: picks GPUs; the cpu backend has none to pick (remove it or choose rocm/cuda)")
+    check_memory_options("cpu", memory, gpu=False)
+    check_optimizer("cpu", optimizer)
     fast_bf16 = bool(availability.details.get("bf16"))
     autocast = torch.bfloat16 if fast_bf16 else None
     note = "precision: bf16 autocast (native bf16 matmuls)" if fast_bf16 else "precision: fp32 (no native bf16 on this CPU)"
-    return TorchBackend(DevicePlan("cpu", torch.device("cpu"), autocast, notes=[note], precision="bf16" if fast_bf16 else "fp32"))
+    return TorchBackend(DevicePlan("cpu", torch.device("cpu"), autocast, notes=[note], memory=memory, optimizer=optimizer,
+                                   precision="bf16" if fast_bf16 else "fp32"))

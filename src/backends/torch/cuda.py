@@ -15,6 +15,8 @@ import torch
 
 from ..protocol import Availability
 from .backend import TorchBackend
+from .memory import check_memory_options
+from .optimizers import check_optimizer
 from .devices import Gpu, GpuKind, plan_run, probe_kind, reinstall_command, torch_build
 
 CUDA_WHEEL_INDEX = "https://download.pytorch.org/whl/cu128"
@@ -90,5 +92,7 @@ def probe() -> Availability:
 
 
 def create(availability: Availability, devices: int | list[int] | None = None,
-           precision: str | None = None, **_options) -> TorchBackend:
-    return TorchBackend(plan_run(KIND, availability, devices, precision))
+           precision: str | None = None, memory=None, optimizer: str = "adamw", **_options) -> TorchBackend:
+    check_memory_options(KIND.name, memory, gpu=True)
+    check_optimizer(KIND.name, optimizer)
+    return TorchBackend(plan_run(KIND, availability, devices, precision, memory, optimizer))

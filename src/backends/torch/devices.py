@@ -429,7 +429,7 @@ def report_attention(device: torch.device, dtype: torch.dtype | None) -> str:
 # ---------------------------------------------------------------------- plan
 
 def plan_run(kind: GpuKind, availability: Availability, devices: int | list[int] | None = None,
-             precision: str | None = None) -> DevicePlan:
+             precision: str | None = None, memory=None, optimizer: str = "adamw") -> DevicePlan:
     """Turn a successful probe and the user's options into the DevicePlan TorchBackend runs with."""
     gpus: list[Gpu] = availability.details["gpus"]
     index = select_device(gpus, devices)
@@ -445,7 +445,7 @@ def plan_run(kind: GpuKind, availability: Availability, devices: int | list[int]
         f"precision: {chosen.name} ({chosen.why})",
         f"allocator: {describe_allocator(allocator)}",
         f"attention: {attention}",
-        "loading: weights load on the CPU, then move to the GPU whole (never device_map='auto')",
+        "loading: tensor by tensor at storage precision, straight onto the GPU (never device_map='auto')",
         f"child processes: {', '.join(f'{k}={v}' for k, v in sorted(env.items()))}",
     ]
     notes += [g.describe() for g in gpus if g.problem]  # each reads "cuda:N (...) skipped: why"
@@ -456,6 +456,7 @@ def plan_run(kind: GpuKind, availability: Availability, devices: int | list[int]
     return DevicePlan(
         kind.name, device, chosen.autocast, notes=notes, loss_scaling=chosen.loss_scaling,
         env=env, attention=attention, devices=[index], precision=chosen.name, fp8=chosen.name == "fp8",
+        memory=memory, optimizer=optimizer,
     )
 
 

@@ -15,6 +15,8 @@ import torch
 
 from ..protocol import Availability
 from .backend import TorchBackend
+from .memory import check_memory_options
+from .optimizers import check_optimizer
 from .devices import (
     ALLOW_IGPU_VAR,
     Gpu,
@@ -161,6 +163,8 @@ def probe() -> Availability:
 
 
 def create(availability: Availability, devices: int | list[int] | None = None,
-           precision: str | None = None, **_options) -> TorchBackend:
+           precision: str | None = None, memory=None, optimizer: str = "adamw", **_options) -> TorchBackend:
     """One GPU, loaded on the CPU first and moved whole: `device_map="auto"` segfaults with an iGPU present."""
-    return TorchBackend(plan_run(KIND, availability, devices, precision))
+    check_memory_options(KIND.name, memory, gpu=True)
+    check_optimizer(KIND.name, optimizer)
+    return TorchBackend(plan_run(KIND, availability, devices, precision, memory, optimizer))
