@@ -40,3 +40,10 @@ class ModelNotFound(MudpuppyError):
 
 class OutputExists(MudpuppyError):
     pass
+
+
+class OutOfDeviceMemory(MudpuppyError):
+    """A training step ran out of device memory; the message says what to change. The training
+    loop adds where the newest complete checkpoint is."""
+
+    exit_code = 4

@@ -130,10 +130,16 @@ class BackendProtocol(Protocol):
     ops: ArrayOps
 
     # -- models
-    def load_model(self, model_cfg: "ModelConfig", precision: str = "auto", head: str | None = None) -> ModelHandle:
+    def load_model(self, model_cfg: "ModelConfig", precision: str = "auto", head: str | None = None,
+                   adapter: "AdapterConfig | None" = None) -> ModelHandle:
         """A causal LM, or with `head` a scalar-head model: "sequence_classification" (one score
         per sequence, read at its last token, as transformers does) or "token_classification"
-        (two classes per token: for process reward models)."""
+        (two classes per token: for process reward models).
+
+        Weights arrive at their storage precision (`model_cfg.dtype`, auto: the compute dtype
+        for a frozen base, fp32 for weights that train in full), never as a full fp32 copy
+        first. With `adapter` the base is loaded for that adapter: for QLoRA it comes back
+        already quantized, each layer as its weights were read."""
 
     def save_model(self, handle: ModelHandle, path: str) -> None: ...
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..data import Batcher
-from ..errors import MudpuppyError
+from ..errors import MudpuppyError, OutOfDeviceMemory
 from . import checkpoints, outputs
 from .schedule import learning_rate
 
@@ -180,6 +180,12 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
                 path = save(state) if state.step > last_saved else checkpoints.newest_checkpoint(out)
                 raise Interrupted(f"interrupted after step {state.step}; checkpoint saved to {path}. "
                                   "Continue with: mudpuppy run --config ... --resume")
+    except OutOfDeviceMemory as exc:
+        # Nothing of this step is saved; the newest complete checkpoint is where a resume starts.
+        newest = checkpoints.newest_checkpoint(out)
+        where = (f"the newest complete checkpoint, {newest}, is kept: continue from it with --resume once the run fits"
+                 if newest else "no checkpoint had been written yet (training.save_steps writes them)")
+        raise OutOfDeviceMemory(f"step {state.step + 1}: {exc} Nothing of this step was saved; {where}.") from exc
     except KeyboardInterrupt:
         # Stopped at once, possibly mid-step: what is in memory may be half updated, so
         # nothing is saved; the newest complete checkpoint is where a resume starts.

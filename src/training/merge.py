@@ -25,9 +25,11 @@ def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None 
         if not (out / "config.json").is_file():
             raise OutputExists(f"{out} is not empty and does not look like a merged model; refusing to clear it")
         shutil.rmtree(out)
-    handle = backend.load_model(cfg.model, "fp32")
-    if cfg.adapter.type == "qlora":
-        # The adapter learned on the 4-bit base: rebuild exactly that base (quantizing is deterministic).
+    # A QLoRA adapter learned on the 4-bit base: load rebuilds exactly that base (quantizing is
+    # deterministic and reads the checkpoint's own values); any other adapter merges into fp32 weights.
+    qlora = cfg.adapter.type == "qlora"
+    handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter if qlora else None)
+    if qlora:
         backend.quantize_base(handle, cfg.adapter)
     backend.load_adapter(handle, str(adapter))
     backend.merge_and_save(handle, str(out), dtype or cfg.merge_dtype)

@@ -61,7 +61,7 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     out, resume_from = outputs.prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
     outputs.write_config(out, cfg)
     backend.seed(cfg.training.seed)
-    handle = backend.load_model(cfg.model, cfg.training.precision, head=recipe.head)
+    handle = backend.load_model(cfg.model, cfg.training.precision, head=recipe.head, adapter=cfg.adapter)
     data = prepare_data(cfg, handle.tokenizer, loaded, method=method)
     # An example with no target left after truncation is one whose prompt fills sequence_len.
     no_room = data.report.dropped_no_target

@@ -34,7 +34,7 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     out, resume_from = outputs.prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
     outputs.write_config(out, cfg)
     backend.seed(cfg.training.seed)
-    handle = backend.load_model(cfg.model, cfg.training.precision)
+    handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
     data = prepare_sft_data(cfg, handle.tokenizer, loaded)
     rep = data.report
     echo(f"data: {rep.train_examples} train / {rep.val_examples} held-out examples, "

@@ -426,28 +426,32 @@ def test_fp8_conversion_skips_the_output_head(monkeypatch, tiny_model_dir):
 
 # ------------------------------------------------------------ load path, steps
 
-def test_rocm_plan_loads_on_the_cpu_then_moves_the_whole_model(monkeypatch, tiny_model_dir):
-    from mudpuppy.config import ModelConfig
+def test_rocm_plan_reads_weights_straight_onto_the_planned_gpu(monkeypatch, tiny_model_dir):
+    """Tensor by tensor onto the GPU the plan picked (never device_map="auto": it crashes with an
+    iGPU present), at the dtype the GPU computes in for a frozen base."""
+    from mudpuppy.backends.torch import loading
+    from mudpuppy.config import AdapterConfig, ModelConfig
     from transformers import AutoModelForCausalLM
 
     Machine(monkeypatch, "rocm", [RAPHAEL_IGPU, RX_7900_XTX])
     backend = rocm.create(rocm.probe())
-    calls, moves = [], []
-    original = AutoModelForCausalLM.from_pretrained
+    seen = {}
+    real = loading.load_weights
 
-    def from_pretrained(path, **kwargs):
-        calls.append(kwargs)
-        model = original(path, **kwargs)
-        model.to = lambda *args, **kw: moves.append(args) or model  # no real 'cuda' here
-        return model
+    def load_weights(model, directory, dtype, device, frozen, new_modules):
+        seen.update(device=device, dtype=dtype)
+        return real(model, directory, dtype, torch.device("cpu"), frozen, new_modules)   # no real GPU here
 
+    def from_pretrained(*args, **kwargs):
+        raise AssertionError(f"from_pretrained called ({kwargs}): a safetensors checkpoint is read tensor by tensor")
+
+    monkeypatch.setattr(loading, "load_weights", load_weights)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    handle = backend.load_model(ModelConfig(base_model=str(tiny_model_dir)))
-    assert "device_map" not in calls[0]
-    assert calls[0]["attn_implementation"] == "sdpa"
-    assert moves == [(torch.device("cuda", 1),)]
+    handle = backend.load_model(ModelConfig(base_model=str(tiny_model_dir)), adapter=AdapterConfig(type="lora"))
+    assert seen == {"device": torch.device("cuda", 1), "dtype": torch.bfloat16}
     assert handle.autocast_dtype is torch.bfloat16
-    assert next(handle.model.parameters()).device.type == "cpu"  # loaded there first
+    assert handle.load_report.path == "streamed"
+    assert {p.dtype for p in handle.model.parameters()} == {torch.bfloat16}
 
 
 def _trainer(tiny_config, plan: DevicePlan):

@@ -348,3 +348,18 @@ def test_gpu_dequantization_matches_cpu(backend):
     torch.testing.assert_close(gpu_layer(x.cuda()).cpu(), expected, atol=1e-4, rtol=1e-4)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert gpu_layer(x.cuda()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend,group", [("int4", 64), ("int4", None), ("mxfp4", None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_dequantization_gives_the_eager_values_bit_for_bit(backend, group, dtype):
+    """QLoRA layers dequantize through one compiled kernel where inductor can build it; a merge
+    rebuilds the base from the same codes, so it must be exactly the eager result."""
+    from mudpuppy.backends.torch import quantize
+    from mudpuppy.backends.torch.quant_formats import dequantize_weight, quantize_weight
+
+    weight = torch.randn(200, 330, generator=torch.Generator().manual_seed(1))
+    tensors = quantize_weight(weight, backend, group)
+    fused = quantize.fast_dequantize(tensors, backend, 330, dtype)
+    assert quantize._DEQUANTIZERS["cpu"] is not dequantize_weight, "no fused kernel was built on this machine"
+    assert torch.equal(fused, dequantize_weight(tensors, backend, 330, dtype))

@@ -22,6 +22,9 @@ from ..models import resolve_model
 from ..protocol import AdapterInfo, StepResult
 from . import logprobs
 from .attention import packed_attention_mask
+from .loading import compact_dtype, load_model_weights, storage_dtype
+from .frozen import FrozenLinear
+from .memory import return_freed_host_memory
 from .ops import TorchOps
 
 IGNORE_INDEX = -100
@@ -31,6 +34,8 @@ HEADS = {
     "sequence_classification": ("AutoModelForSequenceClassification", 1, "SEQ_CLS"),
     "token_classification": ("AutoModelForTokenClassification", 2, "TOKEN_CLS"),
 }
+# Module names of the new scalar heads: read from no checkpoint, trained in full.
+SCALAR_HEADS = ("score", "classifier")
 # Tokens per lm_head chunk when computing the loss: bounds the [tokens x vocab]
 # logits held at once (49k vocab x 1024 tokens x 4 bytes = 200 MB).
 LOSS_CHUNK_TOKENS = 1024
@@ -62,6 +67,8 @@ class TorchModel:
     source: str
     autocast_dtype: torch.dtype | None = None
     head: str | None = None           # None (causal LM) or a key of HEADS
+    load_report: Any = None           # loading.LoadReport: how and at which dtype the weights were read
+    adapter_type: str | None = None   # set by attach_adapter: none, lora, dora or qlora
 
 
 class TorchBackend:
@@ -70,27 +77,29 @@ class TorchBackend:
         self.name = plan.name
         self.device = str(plan.device)
         self.ops = TorchOps(plan.device)
+        return_freed_host_memory()    # a model loaded tensor by tensor would otherwise leave the heap at its peak
 
     # ------------------------------------------------------------------ models
-    def load_model(self, model_cfg, precision: str = "auto", head: str | None = None) -> TorchModel:
-        import transformers
-
+    def load_model(self, model_cfg, precision: str = "auto", head: str | None = None, adapter=None) -> TorchModel:
+        """The model at its storage precision on the device (loading.py); with `adapter` (an AdapterConfig)
+        the storage follows what trains: fp32 for full fine-tuning, the compute dtype for a frozen base,
+        4-bit codes quantized while loading for QLoRA."""
         if head is not None and head not in HEADS:
             raise MudpuppyError(f"unknown model head {head!r}; known: {', '.join(HEADS)}")
         auto_class, num_labels, _ = HEADS[head] if head else ("AutoModelForCausalLM", None, None)
         head_kwargs = {"num_labels": num_labels} if head else {}
         resolved = resolve_model(model_cfg.base_model, model_cfg.revision, model_cfg.trust_remote_code)
         tokenizer = self.load_tokenizer(model_cfg, resolved.path)
-        dtype = {"auto": torch.float32, "float32": torch.float32,
-                 "bfloat16": torch.bfloat16, "float16": torch.float16}[model_cfg.dtype]
-        # Never device_map="auto": it segfaults on ROCm with an iGPU present.
-        # Load on the CPU, then move the whole model to the planned device.
+        compute = self.compute_dtype(precision)
+        kind = adapter.type if adapter is not None else None
+        dtype = storage_dtype(model_cfg.dtype, compute, trains_in_full=kind == "none")
+        # A frozen base computed in fp32 (no native 16-bit matmuls) stays in its 16-bit checkpoint dtype.
+        compact = compact_dtype(resolved.path) if (model_cfg.dtype == "auto" and kind not in (None, "none")
+                                                   and dtype == torch.float32) else None
         with _quiet_if(head is not None):   # a new head's "missing weights" report is expected, not news
-            model = getattr(transformers, auto_class).from_pretrained(
-                str(resolved.path), dtype=dtype, trust_remote_code=model_cfg.trust_remote_code,
-                attn_implementation="sdpa", **head_kwargs,
-            )
-        model.to(self.plan.device)
+            model, report = load_model_weights(
+                auto_class, resolved.path, dtype, self.plan.device, self._frozen_planner(adapter, dtype, compact),
+                model_cfg.trust_remote_code, head_kwargs, new_modules=SCALAR_HEADS if head else ())
         model.config.use_cache = False
         if head:
             # A sequence score is read at the last token that is not padding; the model finds it by this id.
@@ -99,7 +108,40 @@ class TorchBackend:
             from .devices import convert_to_fp8
 
             convert_to_fp8(model)
-        return TorchModel(model, tokenizer, str(resolved.path), self.compute_dtype(precision), head)
+        return TorchModel(model, tokenizer, str(resolved.path), compute, head, report)
+
+    def _frozen_planner(self, adapter, dtype: torch.dtype, compact: torch.dtype | None):
+        """Which linear layers of the base become frozen layers while loading (frozen.py), and how:
+        4-bit (QLoRA), in host memory (memory.stream_layers), or stored in `compact` (a 16-bit
+        checkpoint dtype the device does not compute in) and upcast per use."""
+        from .frozen import StoredLinear
+        from .loading import FrozenPlan
+        from .quantize import Linear4bit, find_quantizable_linears
+
+        quantize = adapter is not None and adapter.type == "qlora"
+        stream = bool(self.plan.memory and self.plan.memory.stream_layers) and adapter is not None
+        device, host = self.plan.device, self.plan.host
+        stored_dtype = compact or dtype
+
+        def build(name, weight, bias):
+            if quantize:
+                # Quantized on the device from the checkpoint's own values, so a merge that loads again
+                # rebuilds exactly this base.
+                layer = Linear4bit.from_weight(weight.to(device), bias, adapter.quant_backend,
+                                               adapter.quant_group_size, stream_to=device if stream else None)
+                layer.weight_dtype = dtype
+                return layer
+            layer = StoredLinear.from_weight(weight.to(stored_dtype), bias, device, host if stream else None)
+            layer.weight_dtype = dtype
+            return layer
+
+        def plan(model) -> FrozenPlan:
+            if not (quantize or stream or compact):
+                return FrozenPlan()
+            # Output and scalar heads stay as they are: a reward model's new head trains in full.
+            return FrozenPlan(set(find_quantizable_linears(model, ("lm_head", *SCALAR_HEADS))), build)
+
+        return plan
 
     def load_tokenizer(self, model_cfg, default_path: Path):
         from transformers import AutoTokenizer
@@ -126,12 +168,15 @@ class TorchBackend:
     # ---------------------------------------------------------------- adapters
     def attach_adapter(self, handle: TorchModel, adapter_cfg) -> AdapterInfo:
         model = handle.model
+        handle.adapter_type = adapter_cfg.type
         if adapter_cfg.type == "none":
             for p in model.parameters():
                 p.requires_grad_(True)
             targets: list[str] = []
         else:
             from peft import LoraConfig, get_peft_model
+
+            from .frozen import weight_reads_without_values
 
             if adapter_cfg.type == "qlora":
                 quantization = self.quantize_base(handle, adapter_cfg)
@@ -142,11 +187,16 @@ class TorchBackend:
                 target_modules=targets, use_dora=adapter_cfg.type == "dora",
                 use_rslora=adapter_cfg.rslora, task_type=task,
             )
-            handle.model = model = get_peft_model(model, config)
+            # PEFT reads each wrapped layer's weight only for its device and dtype, except DoRA (its norms).
+            cheap = weight_reads_without_values() if adapter_cfg.type != "dora" else contextlib.nullcontext()
+            with cheap:
+                handle.model = model = get_peft_model(model, config)
             if handle.autocast_dtype is not None and adapter_cfg.type != "qlora":
                 _store_frozen_linears_in(_unwrap(model), handle.autocast_dtype)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in model.parameters())
+        # Frozen layers that keep their weight outside a parameter (4-bit, compact, streamed) count too.
+        total = sum(p.numel() for p in model.parameters()) + sum(
+            m.in_features * m.out_features for m in model.modules() if isinstance(m, FrozenLinear))
         return AdapterInfo(adapter_cfg.type, trainable, total, targets,
                            quantization if adapter_cfg.type == "qlora" else None)
 
@@ -155,11 +205,14 @@ class TorchBackend:
 
         Deterministic, so a resumed run quantizes again and gets the same base.
         """
-        from .quantize import quantize_model
+        from .quantize import quantize_model, summarize_quantized
 
+        loaded = summarize_quantized(handle.model)
+        if loaded is not None:          # quantized while loading (load_model with a qlora adapter)
+            return loaded.summary() + ", while loading"
         # Output and scalar heads stay full precision: a reward model's new head trains in full.
         report = quantize_model(handle.model, adapter_cfg.quant_backend, adapter_cfg.quant_group_size,
-                                skip_modules=("lm_head", "score", "classifier"))
+                                skip_modules=("lm_head", *SCALAR_HEADS))
         return report.summary()
 
     @staticmethod
@@ -176,9 +229,13 @@ class TorchBackend:
         handle.model.save_pretrained(path, safe_serialization=True)
 
     def load_adapter(self, handle: TorchModel, path: str) -> None:
-        from peft import PeftModel
+        from peft import PeftConfig, PeftModel
 
-        handle.model = PeftModel.from_pretrained(handle.model, path)
+        from .frozen import weight_reads_without_values
+
+        dora = getattr(PeftConfig.from_pretrained(path), "use_dora", False)
+        with weight_reads_without_values() if not dora else contextlib.nullcontext():
+            handle.model = PeftModel.from_pretrained(handle.model, path)
         handle.model.to(self.plan.device)
 
     def merge_and_save(self, handle: TorchModel, path: str, dtype: str = "bfloat16") -> None:
@@ -211,10 +268,25 @@ class TorchBackend:
         torch.manual_seed(seed)
 
     def create_trainer(self, handle: TorchModel, training_cfg) -> "TorchTrainer":
-        if training_cfg.gradient_checkpointing is not False:   # None means the default: on
-            base = _unwrap(handle.model)
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return TorchTrainer(self, handle, training_cfg)
+        from .frozen import keep_weights_for_backward
+        from .memory import ActivationOffload
+
+        base = _unwrap(handle.model)
+        checkpointing = training_cfg.gradient_checkpointing is not False   # None means the default: on
+        if checkpointing:
+            enable_checkpointing(base)
+        # Under checkpointing a frozen layer's weight is rebuilt for the recompute right before its
+        # backward: keeping that copy for the backward saves a rebuild (frozen.py).
+        keep_weights_for_backward(base, checkpointing)
+        offload = None
+        if self.plan.memory is not None and self.plan.memory.activation_offload:
+            offload = ActivationOffload(self.plan.device, self.plan.host)
+            offload.install(base)
+        if training_cfg.compile:
+            from .compile import compile_layers
+
+            compile_layers(handle.model, self.plan.name)
+        return TorchTrainer(self, handle, training_cfg, offload)
 
     def _tensors(self, batch, model, every_position: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Model keyword inputs and the labels. A packed batch gets its per-segment
@@ -328,29 +400,32 @@ class TorchBackend:
 class TorchTrainer:
     """One optimizer over the trainable parameters; the pipeline passes the learning rate in."""
 
-    def __init__(self, backend: TorchBackend, handle: TorchModel, cfg):
+    def __init__(self, backend: TorchBackend, handle: TorchModel, cfg, offload=None):
+        from .optimizers import build_optimizer
+
         self.backend, self.handle, self.cfg = backend, handle, cfg
+        self.offload = offload          # memory.ActivationOffload, or None
         self.params = [p for p in handle.model.parameters() if p.requires_grad]
         if not self.params:
             raise MudpuppyError("nothing to train: the model has no trainable parameters")
-        decay = cfg.weight_decay
-        if cfg.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(
-                self.params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                weight_decay=decay, foreach=True)
-        elif cfg.optimizer == "adafactor":
-            # Factored second moments: optimizer memory ~ rows + cols instead of rows x cols.
-            self.optimizer = torch.optim.Adafactor(self.params, lr=cfg.learning_rate, weight_decay=decay)
-        else:
-            self.optimizer = torch.optim.SGD(self.params, lr=cfg.learning_rate, momentum=cfg.momentum,
-                                             weight_decay=decay)
+        self.optimizer = build_optimizer(self.params, cfg, backend.plan)
         # fp16 gradients underflow to zero without a loss scale; bf16 and fp32 need none.
         self.scaler = None
         if backend.plan.loss_scaling and handle.autocast_dtype == torch.float16:
             self.scaler = torch.amp.GradScaler(backend.plan.device.type)
 
     def step(self, micro_batches, lr: float, objective=None) -> StepResult:
-        """One update; `objective` (see protocol.Objective) replaces the SFT token loss."""
+        """One update; `objective` (see protocol.Objective) replaces the SFT token loss.
+
+        Running out of device memory raises one MudpuppyError naming what to change (memory.py)."""
+        from .memory import explain_out_of_memory
+
+        plan = self.backend.plan
+        with explain_out_of_memory(plan.name, self.cfg, self.handle.adapter_type, plan.memory,
+                                   gpu=plan.device.type != "cpu"):
+            return self._step(micro_batches, lr, objective)
+
+    def _step(self, micro_batches, lr: float, objective=None) -> StepResult:
         objective = objective or TokenLoss(self.backend)
         model = self.handle.model
         model.train()
@@ -363,7 +438,8 @@ class TorchTrainer:
         for batch, n in zip(micro_batches, counts):
             if n == 0:
                 continue              # contributes neither loss nor gradient
-            loss, metrics = objective(self.handle, batch)
+            with self.offload.saving() if self.offload else contextlib.nullcontext():
+                loss, metrics = objective(self.handle, batch)
             scaled = loss / max(loss_tokens, 1)
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += float(loss.detach())
@@ -460,6 +536,15 @@ def _store_frozen_linears_in(model, dtype: torch.dtype) -> int:
                 module.bias.data = module.bias.data.to(dtype)
             converted += 1
     return converted
+
+
+def enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing on every decoder layer (transformers 5 renamed the method)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _unwrap(model):
