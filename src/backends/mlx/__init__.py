@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...errors import MudpuppyError
 from ..protocol import Availability
 
 INSTALL = "pip install 'mudpuppy[mlx]'  (or: pip install mlx mlx-lm; on Linux: pip install 'mlx[cpu]' mlx-lm)"
@@ -27,7 +28,32 @@ def probe() -> Availability:
     return Availability("mlx", True, device=f"{device} ({where})", details={"gpu": gpu})
 
 
-def create(availability: Availability, **_options):
+# training.optimizer values that are torchao's low-bit AdamW classes (torch backends only).
+TORCHAO_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adamw_4bit": "AdamW4bit"}
+
+
+def create(availability: Availability, memory=None, optimizer: str = "adamw", **_options):
+    """The backend, once the options MLX cannot honour are refused: before any model loads."""
+    check_memory_options(memory)
+    check_optimizer(optimizer)
     from .backend import MlxBackend
 
     return MlxBackend(availability.device, bool(availability.details.get("gpu")))
+
+
+def check_memory_options(memory) -> None:
+    """Offload and streaming move weights between device memory and host memory; MLX has one memory."""
+    asked = memory.requested() if memory is not None else []
+    if asked:
+        raise MudpuppyError(
+            f"{', '.join(asked)}: the mlx backend runs on unified memory (the CPU and the GPU share one memory), "
+            "so there is no host memory to offload or stream to; offload and streaming are for ROCm and CUDA GPUs "
+            "(turn them off on this backend)")
+
+
+def check_optimizer(name: str) -> None:
+    """8-bit and 4-bit AdamW are torchao's, which runs on torch tensors only."""
+    if name in TORCHAO_OPTIMIZERS:
+        raise MudpuppyError(
+            f"training.optimizer: {name} on the mlx backend uses torchao's {TORCHAO_OPTIMIZERS[name]}, which runs "
+            "on the torch backends only (cpu, cuda, rocm); use adamw, or adafactor for a smaller optimizer state")

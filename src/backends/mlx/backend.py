@@ -30,9 +30,9 @@ from .layers import (
     merge_adapters,
     wrap_linears,
 )
-from .loading import DTYPES, HEAD_NAME, MlxModel, count_parameters, head_config, load_model
+from .loading import DTYPES, HEAD_NAME, MlxModel, count_parameters, frozen_base, head_config, load_model
 from .ops import MlxOps
-from .quantize import quantize_base
+from .quantize import quant_format, quantize_base
 from .state import load_training_state, save_training_state
 from .trainer import MlxTrainer
 
@@ -46,8 +46,11 @@ class MlxBackend:
         self.ops = MlxOps()
 
     # ------------------------------------------------------------------ models
-    def load_model(self, model_cfg, precision: str = "auto", head: str | None = None) -> MlxModel:
-        return load_model(model_cfg, precision, self.gpu, head)
+    def load_model(self, model_cfg, precision: str = "auto", head: str | None = None, adapter=None) -> MlxModel:
+        """The model at its storage precision (loading.py). `model.dtype: auto` keeps a frozen base
+        (no adapter, or lora/dora/qlora) in the compute dtype and weights trained in full
+        (adapter.type none) in fp32; with a qlora adapter each linear layer is quantized as it is read."""
+        return load_model(model_cfg, precision, self.gpu, head, adapter)
 
     def save_model(self, handle: MlxModel, path: str) -> None:
         """A full model as transformers saves one: config.json, model.safetensors, tokenizer."""
@@ -68,14 +71,18 @@ class MlxBackend:
 
     # ---------------------------------------------------------------- adapters
     def quantize_base(self, handle: MlxModel, adapter_cfg) -> dict:
-        """QLoRA's frozen 4-bit base through mx.quantize (affine int4 or mxfp4)."""
-        backend_name = getattr(adapter_cfg, "quant_backend", None) or "int4"
-        group = getattr(adapter_cfg, "quant_group_size", 64)
-        if backend_name == "int4" and group != 64:
-            # mx.quantize's affine mode is used with its group of 64; say so rather than differ silently.
-            raise MudpuppyError(f"adapter.quant_group_size {group} is not available on MLX; "
-                                "MLX's int4 (affine) quantization uses groups of 64")
-        return quantize_base(handle.model, backend_name)
+        """QLoRA's frozen 4-bit base through mx.quantize (affine int4 or mxfp4); returns its summary.
+
+        A base quantized while loading (load_model with this adapter) is not
+        quantized twice: its summary comes back as it is.
+        """
+        name = quant_format(adapter_cfg)
+        if handle.quantization is None:
+            handle.quantization = quantize_base(handle.model, name)
+        elif handle.quantization["quant_backend"] != name:
+            raise MudpuppyError(f"adapter.quant_backend {name}: this base was already quantized to "
+                                f"{handle.quantization['quant_backend']}; load the model again for {name}")
+        return handle.quantization
 
     def attach_adapter(self, handle: MlxModel, adapter_cfg) -> AdapterInfo:
         model = handle.model
@@ -84,6 +91,9 @@ class MlxBackend:
             if handle.precision == "bf16":
                 raise MudpuppyError("training.precision bf16 with adapter.type none: MLX would train bf16 "
                                     "weights without fp32 master copies; use training.precision fp32")
+            if handle.quantization is not None:
+                raise MudpuppyError("adapter.type none: this model's base was quantized for QLoRA when it was "
+                                    "loaded, and 4-bit weights cannot train in full; load it again without the adapter")
             model.unfreeze()
             handle.adapter = {"kind": "none"}
             info_targets: list[str] = []
@@ -93,10 +103,13 @@ class MlxBackend:
             quantization = None
             if kind == "qlora":
                 quantization = self.quantize_base(handle, adapter_cfg)
+            elif handle.quantization is not None:
+                raise MudpuppyError(f"adapter.type {kind}: this model's base was quantized for QLoRA when it was "
+                                    "loaded; load it again without the qlora adapter")
             if handle.precision == "bf16":
-                # The frozen base; adapter weights below are created in fp32, and a scalar head,
-                # trained in full, stays fp32 as PEFT keeps its modules_to_save.
-                (model.model if handle.head else model).set_dtype(mx.bfloat16)
+                # The frozen base (already so when load_model knew the adapter); adapter weights below are
+                # created in fp32, and a scalar head, trained in full, stays fp32 as PEFT's modules_to_save.
+                frozen_base(model, handle.head).set_dtype(mx.bfloat16)
             leaves = self._target_modules(model, adapter_cfg.target_modules)
             paths = sorted(p for p in linear_layers(model) if p.rsplit(".", 1)[-1] in leaves)
             scale = adapter_cfg.alpha / (adapter_cfg.r ** 0.5 if adapter_cfg.rslora else adapter_cfg.r)
@@ -126,7 +139,7 @@ class MlxBackend:
         """Fold the adapter into the base weights (in place) and save a plain transformers model."""
         merge_adapters(handle.model)
         handle.model.set_dtype(DTYPES[dtype])
-        handle.adapter = {"kind": "none"}
+        handle.adapter, handle.quantization = {"kind": "none"}, None   # the 4-bit base is dequantized now
         self.save_model(handle, path)
 
     # --------------------------------------------------------- training state

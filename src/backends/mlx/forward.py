@@ -16,6 +16,8 @@ packing is refused for it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 from mlx import nn
@@ -151,6 +153,45 @@ def check_forward_paths(model: nn.Module) -> tuple[bool, bool]:
     return split_ok, masks_ok
 
 
+@dataclass
+class TokenTargets:
+    """The host side of a token-loss forward: what to run and where the targets are (numpy)."""
+
+    input_ids: np.ndarray        # [B, T]
+    keep: np.ndarray             # flat positions (row-major over [B, T]) that carry a target
+    targets: np.ndarray          # the target id at each of them
+    mask: mx.array | None        # the attention mask the batch needs, or None for the built-in causal one
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.keep // self.input_ids.shape[1]
+
+
+def token_targets(handle, batch) -> TokenTargets:
+    labels = np.asarray(batch.labels)
+    flat = labels.reshape(-1)
+    keep = np.flatnonzero(flat != IGNORE_INDEX)
+    return TokenTargets(np.asarray(batch.input_ids), keep, flat[keep],
+                        batch_mask(handle, batch, exact_padding=False))
+
+
+def logprobs_at(handle, input_ids: mx.array, positions: mx.array, targets: mx.array,
+                mask: mx.array | None) -> mx.array:
+    """log p(target) at the flat `positions` of the batch: a pure function of its arrays, which is
+    what lets the compiled step (compiled.py) trace it once per shape."""
+    model = handle.model
+    cache = model_caches(model, mask)
+    split = hidden_and_head(model) if handle.split_head else None
+    if split is not None:
+        body, head = split
+        hidden = body(input_ids, cache)
+        logits = head(hidden.reshape(-1, hidden.shape[-1])[positions])
+    else:
+        logits = model(input_ids, cache=cache)
+        logits = logits.reshape(-1, logits.shape[-1])[positions]
+    return -nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
+
+
 def target_logprobs(handle, batch) -> tuple[mx.array, np.ndarray]:
     """log p(target) at every position whose label is not -100 (row-major), and each one's row.
 
@@ -159,22 +200,10 @@ def target_logprobs(handle, batch) -> tuple[mx.array, np.ndarray]:
     logits, not one per token. The positions are picked in numpy, so MLX
     sees a plain gather.
     """
-    model = handle.model
-    labels = np.asarray(batch.labels)
-    flat = labels.reshape(-1)
-    keep = np.flatnonzero(flat != IGNORE_INDEX)
-    positions = mx.array(keep.astype(np.uint32))
-    cache = model_caches(model, batch_mask(handle, batch, exact_padding=False))
-    split = hidden_and_head(model) if handle.split_head else None
-    if split is not None:
-        body, head = split
-        hidden = body(mx.array(batch.input_ids), cache)
-        logits = head(hidden.reshape(-1, hidden.shape[-1])[positions])
-    else:
-        logits = model(mx.array(batch.input_ids), cache=cache)
-        logits = logits.reshape(-1, logits.shape[-1])[positions]
-    logprobs = -nn.losses.cross_entropy(logits.astype(mx.float32), mx.array(flat[keep]), reduction="none")
-    return logprobs, keep // labels.shape[1]
+    t = token_targets(handle, batch)
+    logprobs = logprobs_at(handle, mx.array(t.input_ids), mx.array(t.keep.astype(np.uint32)),
+                           mx.array(t.targets), t.mask)
+    return logprobs, t.rows
 
 
 def loss_sum(handle, batch) -> mx.array:

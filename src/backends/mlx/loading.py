@@ -10,9 +10,11 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+from mlx.utils import tree_flatten
 
 from ...errors import MudpuppyError
 from ..models import patch_rope_theta, resolve_model
+from .quantize import quant_format, quantize_base
 
 DTYPES = {"auto": mx.float32, "float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 # Scalar-head models: classes per position and the transformers class-name suffix, as on torch.
@@ -63,9 +65,21 @@ class MlxModel:
     packable: bool = False                     # masks and rotary positions: packed rows are exact
     head: str | None = None                    # None (causal LM) or a key of HEADS
     adapter: dict = field(default_factory=dict)  # kind, r, alpha, rslora, dropout, targets, quantization
+    quantization: dict | None = None           # the 4-bit base's summary once quantized (while loading or after)
 
 
-def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None) -> MlxModel:
+def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None, adapter=None) -> MlxModel:
+    """The model at its storage precision, read lazily and materialized one module at a time.
+
+    mx.load is lazy: a weight is read from the checkpoint only when it is
+    evaluated. Every conversion (the storage cast, QLoRA's quantization) is
+    queued on the lazy weights first, and then each leaf module is evaluated
+    on its own, so no full-precision copy of the whole model ever exists:
+    the peak is the model as stored plus about one layer at full precision.
+    The operations are the ones a load-then-convert would run, in the same
+    order, so the result is bit for bit the same (and a merge, which loads
+    again, rebuilds exactly the base the adapter was trained on).
+    """
     from mlx_lm.utils import load_model as mlx_load_model
 
     from .forward import check_forward_paths, uses_rotary_positions
@@ -73,6 +87,8 @@ def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None) ->
     if head is not None and head not in HEADS:
         raise MudpuppyError(f"unknown model head {head!r}; known: {', '.join(HEADS)}")
     precision = resolve_precision(precision, gpu)  # a refused precision should not wait for the weights
+    kind = getattr(adapter, "type", None)
+    quant = quant_format(adapter) if kind == "qlora" else None   # likewise a refused 4-bit format
     resolved = resolve_model(model_cfg.base_model, model_cfg.revision, model_cfg.trust_remote_code)
     config = patch_rope_theta(json.loads((Path(resolved.path) / "config.json").read_text()))
     # rope_theta (and rope_scaling) passed explicitly: mlx-lm reads only the top-level
@@ -82,19 +98,44 @@ def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None) ->
     remote = ({"trust_remote_code": model_cfg.trust_remote_code}
               if "trust_remote_code" in inspect.signature(mlx_load_model).parameters else {})
     try:
-        model, _ = mlx_load_model(Path(resolved.path), model_config=overrides, **remote)
+        model, _ = mlx_load_model(Path(resolved.path), lazy=True, model_config=overrides, **remote)
     except ValueError as exc:
         raise MudpuppyError(f"model.base_model {model_cfg.base_model!r}: mlx-lm cannot build it ({exc}); "
                             "use a torch backend for this architecture") from None
     if head is not None:
         model = with_score_head(model, config, head)
+    # Storage, queued like everything until materialize(): model.dtype (auto: fp32, the master weights
+    # of a full fine-tune); QLoRA's codes from those values, as quantizing after a full load gave them;
+    # then a frozen base (no adapter, lora, dora, qlora) in the compute dtype when that is bf16.
     model.set_dtype(DTYPES[model_cfg.dtype])
+    quantization = quantize_base(model, quant) if quant else None
+    if kind != "none" and precision == "bf16":
+        frozen_base(model, head).set_dtype(mx.bfloat16)
+    materialize(model)
     model.eval()
     tokenizer = load_tokenizer(model_cfg, Path(resolved.path))
-    handle = MlxModel(model, tokenizer, str(resolved.path), config, precision, head=head)
+    handle = MlxModel(model, tokenizer, str(resolved.path), config, precision, head=head, quantization=quantization)
     handle.split_head, handle.masks = check_forward_paths(model)
     handle.packable = handle.masks and uses_rotary_positions(model)
     return handle
+
+
+def frozen_base(model: nn.Module, head: str | None) -> nn.Module:
+    """The part of the model an adapter leaves frozen: all of it, or the decoder under a new
+    scalar head (the head trains in full and keeps fp32, as PEFT's modules_to_save)."""
+    return model.model if head else model
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluate the lazily loaded weights one leaf module at a time.
+
+    One mx.eval over the whole model could schedule every checkpoint read
+    before any conversion; module by module, each full-precision weight is
+    read, converted and released before the next is touched.
+    """
+    for _, module in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        mx.eval(module.parameters())
+    mx.eval(model.parameters())    # anything held outside a leaf module
 
 
 def with_score_head(causal: nn.Module, config: dict, head: str) -> ScoreModel:
@@ -146,8 +187,6 @@ def resolve_precision(precision: str, gpu: bool) -> str:
 
 def count_parameters(model: nn.Module, trainable: bool = False) -> int:
     """Parameters as numbers, counting a quantized weight by the values it packs, not its uint32 words."""
-    from mlx.utils import tree_flatten
-
     total = 0
     modules = dict(model.named_modules())
     params = model.trainable_parameters() if trainable else model.parameters()

@@ -5,6 +5,11 @@ of 64 values, mlx-lm's default), ``mxfp4`` the OCP microscaling FP4 format
 (groups of 32 sharing a power-of-two scale). As in QLoRA, only the linear
 layers of the blocks are quantized; the embeddings and the output head keep
 full precision, and the LoRA weights on top stay in float32.
+
+`load_model` calls `quantize_base` on lazily loaded weights (see loading.py),
+so each layer is quantized as it is read; `MlxBackend.quantize_base` calls it
+on a model loaded without the adapter. Both run the same operations on the
+same values, so both give the same 4-bit base.
 """
 
 from __future__ import annotations
@@ -19,6 +24,20 @@ FORMATS = {
     "int4": ("affine", 4, 64),
     "mxfp4": ("mxfp4", 4, 32),
 }
+
+
+def quant_format(adapter_cfg) -> str:
+    """The adapter's 4-bit format, refused here (before any weight is read) when MLX cannot give it."""
+    name = getattr(adapter_cfg, "quant_backend", None) or "int4"
+    group = getattr(adapter_cfg, "quant_group_size", 64)
+    if name == "int4" and group != 64:
+        # mx.quantize's affine mode is used with its group of 64; say so rather than differ silently.
+        raise MudpuppyError(f"adapter.quant_group_size {group} is not available on MLX; "
+                            "MLX's int4 (affine) quantization uses groups of 64")
+    if name not in FORMATS:
+        raise MudpuppyError(f"adapter.quant_backend {name!r} is not available on MLX; "
+                            f"choose one of: {', '.join(FORMATS)}")
+    return name
 
 
 def quantize_base(model: nn.Module, quant_backend: str = "int4") -> dict:

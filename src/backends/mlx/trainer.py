@@ -12,9 +12,11 @@ the adapter), optimizer state (numpy arrays in `state_dict`) and the RNG,
 which is reseeded from (seed, step) before every step, so dropout masks
 after a resume are the ones an uninterrupted run would draw.
 
-The step is not wrapped in `mx.compile`: every batch has its own length and
-number of loss tokens, and a compiled function retraces for each new shape,
-which costs more than it saves.
+By default the step runs eagerly: every batch has its own length and number
+of loss tokens, and a compiled function is traced again for each new shape.
+`training.compile: true` compiles SFT's loss and gradient with the shapes
+put in buckets, so a run traces a handful of times (compiled.py says how,
+and why other objectives are refused).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ...errors import MudpuppyError
 from ..protocol import StepResult
+from .compiled import CompiledTokenLoss
 from .forward import loss_sum
 from .optimizers import build_optimizer
 
@@ -57,6 +60,7 @@ class MlxTrainer:
         self.seed = cfg.seed
         self.steps = 0
         self.value_and_grad = nn.value_and_grad(handle.model, self._loss)
+        self.compiled = CompiledTokenLoss(handle) if getattr(cfg, "compile", False) else None
         self._metrics: dict[str, float] = {}
 
     def _loss(self, model, objective, batch, scale):
@@ -77,7 +81,7 @@ class MlxTrainer:
         for batch, n in zip(micro_batches, counts):
             if n == 0:
                 continue  # contributes neither loss nor gradient
-            (_, raw), g = self.value_and_grad(model, objective, batch, 1.0 / max(loss_tokens, 1))
+            (_, raw), g = self._value_and_grad(objective, batch, 1.0 / max(loss_tokens, 1))
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(raw, grads)
             total += raw.item()
@@ -96,6 +100,18 @@ class MlxTrainer:
         self.optimizer.update(model, grads)
         mx.eval(model.trainable_parameters(), self.optimizer.state)
         return StepResult(mean, loss_tokens, tokens, grad_norm, metrics=metrics)
+
+    def _value_and_grad(self, objective, batch, scale: float):
+        """((loss * scale, loss), gradients) of one micro-batch: compiled for SFT when asked, else eager."""
+        if self.compiled is None:
+            return self.value_and_grad(self.handle.model, objective, batch, scale)
+        if not isinstance(objective, TokenLoss):
+            raise MudpuppyError(
+                f"training.compile: on the mlx backend mx.compile covers SFT's token loss; this method's "
+                f"objective ({type(objective).__name__}) is computed from each batch in Python and cannot be "
+                "compiled; set training.compile: false")
+        self._metrics = {}
+        return self.compiled(batch, scale)
 
     def _step_seed(self) -> int:
         return (self.seed * 1_000_003 + self.steps) % 2**63
