@@ -104,7 +104,11 @@ def test_a_bf16_checkpoint_computed_in_fp32_stays_bf16_and_gives_the_same_logits
     handle = create_backend("cpu").load_model(ModelConfig(base_model=str(bf16_model_dir)), "fp32",
                                               adapter=AdapterConfig(type="lora"))
     stored = [m for m in handle.model.modules() if isinstance(m, StoredLinear)]
-    assert len(stored) == 14 and all(m.stored.dtype == torch.bfloat16 and not m.streamed for m in stored)
+    assert len(stored) == 15 and all(m.stored.dtype == torch.bfloat16 and not m.streamed for m in stored)
+    # The embedding too, and the tied output head reads that same tensor, a chunk of rows at a time.
+    embedding = handle.model.get_input_embeddings().weight
+    head = handle.model.get_output_embeddings()
+    assert embedding.dtype == torch.bfloat16 and head.row_chunk and head.stored.data_ptr() == embedding.data_ptr()
     reference = AutoModelForCausalLM.from_pretrained(str(bf16_model_dir), dtype=torch.float32)
     torch.testing.assert_close(logits_of(handle.model), logits_of(reference), rtol=0, atol=1e-5)
 
@@ -307,3 +311,50 @@ def test_parameter_count_includes_weights_kept_outside_parameters(bf16_model_dir
     info = backend.attach_adapter(handle, AdapterConfig(type=adapter, r=4, alpha=8))
     plain = AutoModelForCausalLM.from_pretrained(str(bf16_model_dir))
     assert info.total_params == sum(p.numel() for p in plain.parameters()) + info.trainable_params
+
+
+# 14 quantized layers. Checkpointing: forward, recompute, backward (or, streamed, the recompute's weight
+# kept for backward). Without: forward, then backward, except the first layer's q/k/v, whose input (the
+# frozen embedding) needs no gradient. Never once per use of the weight beyond that.
+@pytest.mark.parametrize("checkpointing,stream,rebuilds", [(True, False, 14 * 3), (True, True, 14 * 2),
+                                                           (False, False, 14 + 11)])
+def test_qlora_rebuilds_each_weight_a_bounded_number_of_times(tiny_config, monkeypatch, checkpointing, stream,
+                                                              rebuilds):
+    from mudpuppy.data import Batcher, prepare_sft_data
+    from mudpuppy.data import load_data
+
+    tiny_config["adapter"] = {"type": "qlora", "r": 4, "alpha": 8}
+    tiny_config["training"]["gradient_checkpointing"] = checkpointing
+    cfg = load_config(tiny_config)
+    backend = create_backend("cpu")
+    backend.plan.memory = MemoryConfig(stream_layers=stream)
+    handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter)
+    backend.attach_adapter(handle, cfg.adapter)
+    trainer = backend.create_trainer(handle, cfg.training)
+    data = prepare_sft_data(cfg, handle.tokenizer, load_data(cfg, "sft"))
+    batch = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id).next_batch()
+    calls = [0]
+    real = Linear4bit.dequantize
+
+    def counting(self, dtype=None):
+        calls[0] += 1
+        return real(self, dtype)
+
+    monkeypatch.setattr(Linear4bit, "dequantize", counting)
+    monkeypatch.setattr(Linear4bit, "materialize", counting)
+    trainer.step([batch], 1e-3)
+    assert calls[0] == rebuilds
+
+
+def test_a_tied_head_upcast_in_row_chunks_matches_the_dense_head():
+    from mudpuppy.backends.torch.frozen import StoredLinear
+
+    embedding = torch.nn.Embedding(50, 16).to(torch.bfloat16).requires_grad_(False)
+    head = StoredLinear.tied_to(embedding, row_chunk=7, weight_dtype=torch.float32)   # 8 chunks, the last short
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    dense = embedding.weight.float()
+    out = head(x)
+    torch.testing.assert_close(out, x @ dense.T, rtol=1e-6, atol=1e-5)
+    grad = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, x, grad)
+    torch.testing.assert_close(got, grad @ dense, rtol=1e-6, atol=1e-5)

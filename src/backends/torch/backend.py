@@ -23,7 +23,7 @@ from ..protocol import AdapterInfo, StepResult
 from . import logprobs
 from .attention import packed_attention_mask
 from .loading import compact_dtype, load_model_weights, storage_dtype
-from .frozen import FrozenLinear
+from .frozen import FrozenLinear, compute_compact_embeddings
 from .memory import return_freed_host_memory
 from .ops import TorchOps
 
@@ -101,6 +101,8 @@ class TorchBackend:
                 auto_class, resolved.path, dtype, self.plan.device, self._frozen_planner(adapter, dtype, compact),
                 model_cfg.trust_remote_code, head_kwargs, new_modules=SCALAR_HEADS if head else ())
         model.config.use_cache = False
+        if compact:
+            compute_compact_embeddings(model, dtype)
         if head:
             # A sequence score is read at the last token that is not padding; the model finds it by this id.
             model.config.pad_token_id = tokenizer.pad_token_id
@@ -139,7 +141,10 @@ class TorchBackend:
             if not (quantize or stream or compact):
                 return FrozenPlan()
             # Output and scalar heads stay as they are: a reward model's new head trains in full.
-            return FrozenPlan(set(find_quantizable_linears(model, ("lm_head", *SCALAR_HEADS))), build)
+            names = set(find_quantizable_linears(model, ("lm_head", *SCALAR_HEADS)))
+            embedding = model.get_input_embeddings()
+            keys = {f"{name}.weight" for name, m in model.named_modules() if m is embedding} if compact else set()
+            return FrozenPlan(names, build, keys, compact)
 
         return plan
 
@@ -196,7 +201,7 @@ class TorchBackend:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # Frozen layers that keep their weight outside a parameter (4-bit, compact, streamed) count too.
         total = sum(p.numel() for p in model.parameters()) + sum(
-            m.in_features * m.out_features for m in model.modules() if isinstance(m, FrozenLinear))
+            m.in_features * m.out_features for m in model.modules() if isinstance(m, FrozenLinear) and not m.tied)
         return AdapterInfo(adapter_cfg.type, trainable, total, targets,
                            quantization if adapter_cfg.type == "qlora" else None)
 

@@ -58,6 +58,11 @@ class FrozenPlan:
 
     names: set[str] = field(default_factory=set)   # qualified module names
     build: object = None     # (name, weight, bias) -> nn.Module replacing the linear
+    compact_keys: set[str] = field(default_factory=set)   # other tensors kept in `compact_dtype`
+    compact_dtype: torch.dtype | None = None
+
+    def dtype_of(self, key: str, dtype: torch.dtype) -> torch.dtype:
+        return self.compact_dtype if key in self.compact_keys else dtype
 
 
 @dataclass
@@ -195,7 +200,7 @@ def place_tensor(model, key: str, tensor: torch.Tensor, dtype, device, frozen: F
         bias = None if bias is None else cast(bias, dtype).to(device)
         model.set_submodule(module_name, frozen.build(module_name, tensor, bias))
         return
-    set_tensor(model, key, cast(tensor, dtype).to(device))
+    set_tensor(model, key, cast(tensor, frozen.dtype_of(key, dtype)).to(device))
 
 
 def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -251,6 +256,8 @@ def load_pretrained_fallback(auto_class: str, directory: Path, dtype: torch.dtyp
         linear = model.get_submodule(name)
         model.set_submodule(name, frozen.build(name, linear.weight.data, linear.bias))
         del linear
+    for key in frozen.compact_keys:
+        set_tensor(model, key, cast(model.get_parameter(key).data, frozen.compact_dtype))
     for name in new_modules:          # a new head trains in full: fp32, as on the tensor-by-tensor path
         if hasattr(model, name):
             getattr(model, name).to(torch.float32)
