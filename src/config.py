@@ -218,6 +218,45 @@ class RewardConfig(_Strict):
     bad_pairs: Literal["drop", "error"] = Field("drop", description="rm pairs: as preference.bad_pairs")
 
 
+class GrpoConfig(_Strict):
+    """`method: grpo`: online RL with group-relative advantages. Names and defaults as TRL 1.x's
+    GRPOConfig, so configs move over. See docs/methods.md."""
+
+    num_generations: int = Field(8, ge=2, description="completions sampled per prompt (a group)")
+    max_completion_length: int = Field(256, gt=0, description="tokens sampled at most per completion")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; the log-probs use it too")
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0: no top-k cut")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    beta: float = Field(0.0, ge=0.0, description="weight of the KL to the reference (k3); 0 computes no reference")
+    epsilon: float = Field(0.2, gt=0, description="clipping: the ratio is kept within [1-epsilon, 1+epsilon_high]")
+    epsilon_high: float | None = Field(None, gt=0, description="upper clip; null: epsilon")
+    delta: float | None = Field(None, gt=1.0, description="two-sided clipping: the unclipped ratio capped at delta")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    num_iterations: int = Field(1, gt=0, description="optimisation passes over each generation batch")
+    steps_per_generation: int | None = Field(
+        None, gt=0, description="micro-batches each generation batch is split into; null: gradient_accumulation_steps")
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    mask_truncated_completions: bool = Field(False, description="completions cut at max_completion_length carry no loss")
+    use_bias_correction_kl: bool = Field(
+        True, description="beta > 0: the KL term is weighted by the importance ratio (TRL's default)")
+    reward_funcs: list[str | dict[str, Any]] = Field(min_length=1, description="see docs/methods.md#grpo")
+    reward_weights: list[float] | None = Field(None, description="one per reward function; null: all 1.0")
+    log_completions: bool = Field(True, description="write completions.jsonl (step, prompt, completion, rewards)")
+
+    @model_validator(mode="after")
+    def _rewards(self):
+        from .rewards.specs import parse_reward_specs
+
+        parse_reward_specs(self.reward_funcs, self.reward_weights)   # raises ValueError naming the entry
+        return self
+
+    @property
+    def epsilon_upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
 class MemoryConfig(_Strict):
     """How a run fits in device memory; each option is exact (same losses and weights). See docs/memory.md."""
 
@@ -242,7 +281,7 @@ class RunConfig(_Strict):
     model: ModelConfig
     backend: Literal[BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
     devices: list[int] | None = Field(None, description="GPU indices (after *_VISIBLE_DEVICES); default: the first usable")
-    method: Literal["sft", "preference", "rm", "prm"] = "sft"
+    method: Literal["sft", "preference", "rm", "prm", "grpo"] = "sft"
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     data: DataConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
@@ -255,6 +294,7 @@ class RunConfig(_Strict):
     merge_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     preference: PreferenceConfig | None = Field(None, description="method: preference only")
     reward: RewardConfig | None = Field(None, description="method: rm and prm only")
+    grpo: GrpoConfig | None = Field(None, description="method: grpo only (reward_funcs is required there)")
 
     # Where the YAML came from; relative data paths resolve against it first.
     source_dir: str | None = Field(None, exclude=True)
@@ -274,7 +314,20 @@ class RunConfig(_Strict):
                 self.reward = RewardConfig()
         elif self.reward is not None:
             problems.append(f"reward: this section applies to method: rm or prm (this config has method: {self.method})")
-        if self.method in ("preference", "rm", "prm") and self.data.packing:
+        if self.method == "grpo":
+            if self.grpo is None:
+                problems.append("grpo: method grpo needs a grpo section with at least grpo.reward_funcs "
+                                "(for example: grpo: {reward_funcs: [exact_match]})")
+            else:
+                problems += grpo_batch_problems(self.grpo, self.training)
+                if self.grpo.beta > 0 and self.adapter.type == "none":
+                    # The reference is the base with the adapter switched off; full fine-tuning
+                    # has no such switch, and a frozen copy would double the model's memory.
+                    problems.append("grpo.beta: a KL to the reference needs an adapter (the reference is the base "
+                                    "with the adapter off); with adapter.type none set grpo.beta: 0")
+        elif self.grpo is not None:
+            problems.append(f"grpo: this section applies to method: grpo (this config has method: {self.method})")
+        if self.method in ("preference", "rm", "prm", "grpo") and self.data.packing:
             problems.append(f"data.packing: packing is for sft; method {self.method} batches whole sequences "
                             "(set it to false)")
         pref = self.preference if self.method == "preference" else None
@@ -307,6 +360,17 @@ class RunConfig(_Strict):
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"source_dir"})
+
+
+def grpo_batch_problems(grpo: GrpoConfig, training: TrainingConfig) -> list[str]:
+    """A generation batch (micro_batch_size x steps_per_generation completions) must hold whole groups."""
+    steps = grpo.steps_per_generation or training.gradient_accumulation_steps
+    size = training.micro_batch_size * steps
+    if size % grpo.num_generations:
+        return [f"grpo.num_generations: a generation batch holds training.micro_batch_size x steps_per_generation = "
+                f"{training.micro_batch_size} x {steps} = {size} completions, which is not a whole number of groups "
+                f"of {grpo.num_generations}; make it a multiple (for example micro_batch_size: {grpo.num_generations})"]
+    return []
 
 
 def resolve_relative(path: str, source_dir: str | None) -> Path:

@@ -38,6 +38,21 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)   # an objective's own numbers, averaged over the step
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How `BackendProtocol.sample` draws each token: transformers' warpers, in its order.
+
+    The logits are divided by `temperature`, then cut to the `top_k` most likely tokens
+    (0: no cut), then to the smallest set whose probability reaches `top_p` (1.0: no cut),
+    then tokens below `min_p` times the most likely one's probability are dropped (None:
+    no cut); the token is drawn from what is left."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+
+
 @dataclass
 class AdapterInfo:
     kind: str
@@ -88,6 +103,10 @@ class ArrayOps(Protocol):
     def stack(self, xs: list[Any]) -> Any: ...
     def sum(self, x: Any) -> Any: ...
     def mean(self, x: Any) -> Any: ...
+    def minimum(self, a: Any, b: Any) -> Any:
+        """Elementwise."""
+    def row_sum(self, x: Any, rows: "np.ndarray", n: int) -> Any:
+        """Sums of a 1-D x per row: out[r] = sum of x[i] where rows[i] == r, for r < n (float32)."""
 
 
 class Objective(Protocol):
@@ -193,6 +212,30 @@ class BackendProtocol(Protocol):
     def generate(
         self, handle: ModelHandle, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]
     ) -> list[list[int]]:
-        """Greedy continuation token ids for each prompt (without the prompt)."""
+        """Greedy continuation token ids for each prompt (without the prompt or the stop token)."""
+
+    def sample(
+        self, handle: ModelHandle, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+        sampling: Sampling, seed: int,
+    ) -> list[list[int]]:
+        """Sampled continuation ids for each prompt (without the prompt), batched with a KV cache.
+
+        A row ends after its first stop token, which is kept (it is what a model learns to
+        stop with), or after `max_new_tokens` tokens. The draw depends on `seed` alone: the
+        same prompts, weights and seed give the same ids, and the runtime's global random
+        state (dropout's) is left as it was. Eval mode (no dropout) while sampling."""
+
+    def token_logprobs(
+        self, handle: ModelHandle, batch: "Batch", grad: bool = True, temperature: float = 1.0,
+        reference: bool = False, entropy: bool = False,
+    ) -> tuple[Any, "np.ndarray | None"]:
+        """(log p(target) at every position whose label is not -100, row-major [N] float32 native;
+        the entropy of the distribution there [N] as numpy, when `entropy`, else None).
+
+        The logits are divided by `temperature` first, as when the tokens were sampled. Only
+        those positions go through the output head, a chunk at a time, so [N, vocab] logits
+        are never held at once, with gradient or without. With `reference`, the model with
+        its adapter switched off, without gradient (as reference_logprobs). Without `grad`:
+        eval mode, no graph."""
 
     def seed(self, seed: int) -> None: ...

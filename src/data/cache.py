@@ -24,7 +24,7 @@ import numpy as np
 from .examples import AnyExample, Example, LabeledExample, PairExample, PromptExample, StepExample
 
 # Bump when tokenization or the entry layout changes: older entries are then ignored.
-CACHE_VERSION = 1
+CACHE_VERSION = 2   # 2: rl examples keep their prompt among the fields
 
 # DataConfig fields that only affect batching, not tokens: they stay out of the key.
 BATCHING_ONLY = ("packing", "tokens_per_batch", "group_by_length", "shuffle", "cache", "cache_dir")

@@ -156,7 +156,8 @@ def _score_at_end(rec, exs, src):
 
 
 def _rl_fields(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if k != "prompt"}
+    """Every column, the prompt as written included: GRPO's reward functions receive them all."""
+    return dict(rec)
 
 
 _FORMATS: dict[str, tuple[Callable, Callable]] = {

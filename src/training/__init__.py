@@ -1,12 +1,13 @@
 """Training methods, each one recipe written against the backend protocol."""
 
+from .grpo import run_grpo
 from .preference import run_preference
 from .reward import run_reward
 from .sft import RunResult, run_sft
 
-__all__ = ["RunResult", "run_preference", "run_reward", "run_sft", "run"]
+__all__ = ["RunResult", "run_grpo", "run_preference", "run_reward", "run_sft", "run"]
 
-METHODS = {"sft": run_sft, "preference": run_preference, "rm": run_reward, "prm": run_reward}
+METHODS = {"sft": run_sft, "preference": run_preference, "rm": run_reward, "prm": run_reward, "grpo": run_grpo}
 
 
 def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:

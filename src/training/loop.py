@@ -159,13 +159,17 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
             state.tokens_seen += res.tokens
             state.losses.append(res.loss)
             state.lrs.append(lr)
+            # A batcher that makes its batches (GRPO's rollouts) reports what making them showed.
+            made = batcher.pop_metrics() if hasattr(batcher, "pop_metrics") else {}
             if state.step % cfg.logging.log_every == 0 or state.step == steps:
                 log.write(step=state.step, loss=round(res.loss, 6), lr=lr, tokens=res.tokens,
                           tokens_per_second=round(res.tokens / dt, 1), grad_norm=res.grad_norm,
                           skipped=res.skipped, epoch=batcher.epoch,
-                          **{k: round(v, 6) for k, v in res.metrics.items()})
+                          **{k: rounded(v) for k, v in {**made, **res.metrics}.items()},
+                          **({"time/training": round(dt, 3)} if made else {}))
             if bar is not None:
-                bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{res.tokens / dt:.0f}")
+                shown = {"reward": f"{made['reward']:.3f}"} if "reward" in made else {}
+                bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{res.tokens / dt:.0f}", **shown)
                 bar.update(1)
             if t.eval_steps and state.step % t.eval_steps == 0 and evaluate is not None:
                 if check_patience(cfg, state, evaluate, log, echo):
@@ -200,6 +204,11 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
     if t.save_steps and last_saved != state.step:
         save(state)
     return False
+
+
+def rounded(value: float) -> float | None:
+    """A metric for metrics.jsonl: 6 decimals, and NaN (no value this step) as null, which JSON can hold."""
+    return None if value != value else round(value, 6)
 
 
 def check_patience(cfg, state: LoopState, evaluate: Evaluate, log, echo) -> bool:

@@ -145,7 +145,8 @@ def test_reward_marks_the_last_token_where_the_score_is_read(tok):
 
 def test_rl_prompt_ends_with_the_generation_prompt_and_keeps_fields(tok):
     ex = tokenize(tok, "rl", {"prompt": "What is 6*7?", "answer": "42", "difficulty": 1})[0]
-    assert isinstance(ex, PromptExample) and ex.fields == {"answer": "42", "difficulty": 1}
+    assert isinstance(ex, PromptExample)
+    assert ex.fields == {"prompt": "What is 6*7?", "answer": "42", "difficulty": 1}   # the prompt as written too
     text = tok.decode(ex.prompt.input_ids)
     assert text.endswith("<|im_start|>assistant\n") and not ex.prompt.loss_mask.any()
 

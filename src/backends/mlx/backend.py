@@ -21,8 +21,8 @@ from mlx.utils import tree_flatten
 
 from ...errors import MudpuppyError
 from ..adapters import choose_target_modules
-from ..protocol import AdapterInfo
-from . import adapter_io, forward
+from ..protocol import AdapterInfo, Sampling
+from . import adapter_io, forward, generation, logprobs
 from .layers import (
     adapter_layers,
     adapters_disabled,
@@ -184,6 +184,21 @@ class MlxBackend:
             sums, _ = forward.sequence_logprobs(handle, batch)
             return mx.stop_gradient(sums)
 
+    def token_logprobs(self, handle: MlxModel, batch, grad: bool = True, temperature: float = 1.0,
+                       reference: bool = False, entropy: bool = False) -> tuple[mx.array, np.ndarray | None]:
+        """log p(target) under logits / temperature at every label != -100 position, row-major [N] float32,
+        and the entropy there (numpy) when asked; the head runs a chunk of positions at a time (logprobs.py).
+        `reference`: adapter off, eval mode, no gradient; without `grad`: eval mode, no gradient."""
+        if reference:
+            with adapters_disabled(handle.model), eval_mode(handle.model):
+                logps, entropies = logprobs.token_logprobs(handle, batch, temperature, entropy)
+                return mx.stop_gradient(logps), entropies
+        if grad:
+            return logprobs.token_logprobs(handle, batch, temperature, entropy)
+        with eval_mode(handle.model):
+            logps, entropies = logprobs.token_logprobs(handle, batch, temperature, entropy)
+        return mx.stop_gradient(logps), entropies
+
     def sequence_scores(self, handle: MlxModel, batch, grad: bool = True) -> mx.array:
         """The score per row [B], at each row's last real token (transformers' rule)."""
         self._require_head(handle, "sequence_classification")
@@ -237,6 +252,13 @@ class MlxBackend:
                 logits = model(mx.array([[token]]), cache=cache)
             results.append(out)
         return results
+
+    def sample(self, handle: MlxModel, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+               sampling: Sampling, seed: int) -> list[list[int]]:
+        """Sampled continuations, batched with a KV cache (generation.py says how prompts are batched);
+        a row keeps its first stop token. Eval mode while sampling, the trainer's mode after."""
+        with eval_mode(handle.model):
+            return generation.sample(handle, prompts, max_new_tokens, stop_ids, sampling, seed)
 
 
 @contextlib.contextmanager

@@ -116,6 +116,11 @@ def hidden_and_head(model: nn.Module):
     return None
 
 
+def head_module(model: nn.Module) -> nn.Module:
+    """The module whose weights the head of `hidden_and_head` applies: lm_head, or the tied embedding."""
+    return model.lm_head if "lm_head" in model else model.model.embed_tokens
+
+
 def uses_rotary_positions(model: nn.Module) -> bool:
     """Rotary embeddings and no learned absolute positions (GPT-2's wpe and the like)."""
     kinds = [type(m).__name__.lower() for _, m in model.named_modules()]

@@ -72,3 +72,11 @@ class MlxOps:
 
     def mean(self, x):
         return x.mean()
+
+    def minimum(self, a, b):
+        return mx.minimum(a, b)
+
+    def row_sum(self, x, rows: np.ndarray, n: int):
+        # A scatter-add, as forward.sequence_logprobs sums per row: gradient flows to every x[i].
+        index = mx.array(np.asarray(rows).astype(np.uint32))
+        return mx.zeros((n,), dtype=mx.float32).at[index].add(x.astype(mx.float32))

@@ -345,6 +345,16 @@ class TorchBackend:
     def reference_logprobs(self, handle: TorchModel, batch) -> torch.Tensor:
         return logprobs.reference_logprobs(self, handle, batch)
 
+    def token_logprobs(self, handle: TorchModel, batch, grad: bool = True, temperature: float = 1.0,
+                       reference: bool = False, entropy: bool = False) -> tuple[torch.Tensor, np.ndarray | None]:
+        return logprobs.token_logprobs(self, handle, batch, grad, temperature, reference, entropy)
+
+    def sample(self, handle: TorchModel, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+               sampling, seed: int) -> list[list[int]]:
+        from .sampling import sample
+
+        return sample(self, handle, prompts, max_new_tokens, stop_ids, sampling, seed)
+
     def sequence_scores(self, handle: TorchModel, batch, grad: bool = True) -> torch.Tensor:
         self._require_head(handle, "sequence_classification")
         return logprobs.sequence_scores(self, handle, batch, grad)

@@ -13,6 +13,7 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 IGNORE_INDEX = -100
 LOSS_CHUNK_TOKENS = 1024
@@ -41,6 +42,55 @@ def sequence_logprobs(backend, handle, batch, grad: bool = True) -> tuple[torch.
         elif grad:
             sums = sums + 0.0 * hidden.sum()     # keep the graph: backward() needs a path to the weights
     return sums, counts
+
+
+def token_logprobs(backend, handle, batch, grad: bool = True, temperature: float = 1.0,
+                   reference: bool = False, entropy: bool = False) -> tuple[torch.Tensor, np.ndarray | None]:
+    """log p(target) [N] at each position with a label (row-major), from logits / temperature, in
+    float32; and with `entropy` the distribution's entropy there (numpy, a metric: no gradient).
+
+    The output head runs a chunk of positions at a time. With gradient each chunk is
+    checkpointed: its [chunk, vocab] logits are rebuilt in the backward instead of being
+    kept, so a step holds one chunk of logits at a time, not [N, vocab] (2 GB in float32
+    for 8 completions of 1024 tokens over a 64k vocabulary)."""
+    if reference:
+        with adapters_disabled(handle.model):
+            return token_logprobs(backend, handle, batch, grad=False, temperature=temperature, entropy=entropy)
+    inputs, labels = backend._tensors(batch, handle.model)
+    base = unwrap(handle.model)
+    with grad_mode(handle.model, grad), backend._autocast(handle):
+        hidden = base.get_decoder()(**inputs).last_hidden_state
+        keep = labels != IGNORE_INDEX
+        picked, targets = hidden[keep], labels[keep]
+        head = base.get_output_embeddings()
+        logps, entropies = [], []
+        for start in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
+            args = (head, picked[start : start + LOSS_CHUNK_TOKENS], targets[start : start + LOSS_CHUNK_TOKENS],
+                    temperature, entropy)
+            if grad:
+                lp, ent = torch.utils.checkpoint.checkpoint(chunk_logprobs, *args, use_reentrant=False)
+            else:
+                lp, ent = chunk_logprobs(*args)
+            logps.append(lp)
+            entropies.append(ent)
+    if not logps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return (empty + 0.0 * hidden.sum() if grad else empty), (np.zeros(0, np.float32) if entropy else None)
+    values = torch.cat(logps)
+    return values, (torch.cat(entropies).cpu().numpy() if entropy else None)
+
+
+def chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = logits.log_softmax(-1)
+    picked = logp.gather(-1, targets[:, None])[:, 0]
+    if not entropy:
+        return picked, None
+    with torch.no_grad():
+        ent = -(logp.exp() * logp).sum(-1)
+    return picked, ent
 
 
 @torch.no_grad()

@@ -77,3 +77,10 @@ class TorchOps:
 
     def mean(self, x):
         return x.mean()
+
+    def minimum(self, a, b):
+        return torch.minimum(a, b)
+
+    def row_sum(self, x, rows: np.ndarray, n: int):
+        index = torch.as_tensor(np.asarray(rows), dtype=torch.long, device=x.device)
+        return x.new_zeros(n, dtype=torch.float32).index_add(0, index, x.float())

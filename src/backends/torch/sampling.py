@@ -1,0 +1,82 @@
+"""Sampled generation on torch for online methods (GRPO): transformers' `generate`, seeded.
+
+What it guarantees beyond a plain `generate(do_sample=True)` call:
+
+- The sampling settings are exactly the run's. A checkpoint's
+  generation_config.json can carry its own top_p, top_k or repetition
+  penalty, which transformers merges into any value the caller leaves at
+  its default; sampling here runs under a fresh GenerationConfig, so
+  top_k: 0 means no cut even though transformers' own default is 50.
+- The draw depends on the seed alone, and the global random state (which
+  dropout draws from) is as it was before: the sampler runs inside
+  `torch.random.fork_rng`. A resumed run therefore samples what an
+  uninterrupted one would.
+- The ids returned are the ids sampled, each row cut after its first stop
+  token (kept: it is what the model learns to stop with). Nothing is ever
+  decoded and encoded again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .logprobs import unwrap
+
+
+@torch.no_grad()
+def sample(backend, handle, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+           sampling, seed: int) -> list[list[int]]:
+    from transformers import GenerationConfig
+
+    model, device = handle.model, backend.plan.device
+    pad = handle.tokenizer.pad_token_id
+    ids, attn = left_padded(prompts, pad)
+    config = GenerationConfig(
+        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        min_p=sampling.min_p, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids), pad_token_id=pad,
+        repetition_penalty=1.0, use_cache=True)
+    gpu = [device] if device.type == "cuda" else []
+    training = model.training
+    model.eval()
+    try:
+        with fresh_generation_config(model), torch.random.fork_rng(devices=gpu, device_type=device.type):
+            torch.manual_seed(seed)
+            with backend._autocast(handle):
+                out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
+                                     generation_config=config)
+    finally:
+        model.train(training)
+    return [cut_after_stop(row, stop_ids) for row in out[:, ids.shape[1]:].tolist()]
+
+
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[row, width - len(p):] = 1
+    return ids, attn
+
+
+def cut_after_stop(row: list[int], stop_ids: list[int]) -> list[int]:
+    """The row up to and including its first stop token (the rest is padding), or all of it."""
+    stop = set(stop_ids)
+    end = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
+    return row[:end]
+
+
+@contextlib.contextmanager
+def fresh_generation_config(model):
+    """The model's generation_config replaced by transformers' defaults for the duration."""
+    from transformers import GenerationConfig
+
+    base = unwrap(model)
+    saved = getattr(base, "generation_config", None)
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved

@@ -1,0 +1,162 @@
+"""GRPO: online reinforcement learning with group-relative advantages, written once for every backend.
+
+Supports: rl data ({prompt} as text or messages, plus any columns the reward
+functions read); built-in rewards, the user's Python functions and reward
+models trained with `method: rm`, weighted; TRL 1.x's loss types (grpo,
+bnpo, dr_grpo, dapo), reward scaling (group, batch, none), clipping with
+epsilon / epsilon_high / delta, token- or sequence-level importance
+sampling (GSPO), the k3 KL to the reference through the disabled adapter
+(beta > 0), several optimisation passes per generation (num_iterations)
+and generation batches spanning several optimizer steps
+(steps_per_generation); LoRA, DoRA, QLoRA and full fine-tuning (beta 0);
+everything the shared loop offers (checkpoints with exact resume, Ctrl-C,
+on_nan, early stopping on held-out reward).
+
+Does not support: vLLM or any separate inference server, multi-turn tool
+environments, entropy masking or bonuses, TRL's cispo/sapo/vespo/luspo
+losses, a reference other than the starting weights.
+
+The four pieces, each readable on its own: sampling through the backend
+(rollout.py), scoring (rewards/), advantages in numpy and the loss through
+ArrayOps (grpo_loss.py). This file is setup, loop and save.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..data import load_data, prepare_data
+from ..evaluation.heldout import stop_token_ids
+from ..rewards import check_columns, load_reward_functions, parse_reward_specs, score
+from . import outputs
+from .grpo_loss import GrpoObjective
+from .loop import (
+    LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, total_steps_for,
+    train_loop,
+)
+from .merge import merge_run
+from .reward_models import reward_model_function
+from .rollout import COMPLETIONS, RolloutBatcher
+
+EVAL_KEY = "eval_reward"
+
+
+def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
+    started = time.perf_counter()
+    g = cfg.grpo
+    # -- setup: data and reward-function problems surface before the policy loads or anything is written
+    loaded = load_data(cfg, "grpo")
+    specs = parse_reward_specs(g.reward_funcs, g.reward_weights)
+    funcs = load_reward_functions(specs, cfg.source_dir, reward_model=lambda spec: reward_model_function(
+        backend, spec, cfg.source_dir))
+    check_columns(funcs, data_columns(loaded), loaded.train[0].name)
+    out, resume_from = outputs.prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
+    outputs.write_config(out, cfg)
+    backend.seed(cfg.training.seed)
+    handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
+    data = prepare_data(cfg, handle.tokenizer, loaded, method="grpo")
+    rep = data.report
+    echo(f"grpo ({g.loss_type}, {g.num_generations} completions a prompt, beta {g.beta}): {rep.train_examples} "
+         f"prompts / {rep.val_examples} held-out; {rep.truncated} prompts truncated to data.sequence_len; "
+         f"rewards: {', '.join(f'{f.name} x{f.spec.weight:g}' for f in funcs)}")
+
+    info = backend.attach_adapter(handle, cfg.adapter)
+    echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters")
+    evaluate = held_out_reward(cfg, backend, handle, data.val, funcs) if data.val else None
+    state = LoopState()
+    if cfg.eval.before_training and evaluate is not None and resume_from is None:
+        value, fields = evaluate()
+        state.before = fields
+        echo(f"before training: held-out reward {-value:.4f} (greedy, {len(data.val)} prompts)")
+    trainer = backend.create_trainer(handle, cfg.training)
+    rollouts = RolloutBatcher(cfg, backend, handle, data.train, funcs, out)
+    steps = total_steps_for(cfg, rollouts)
+    if resume_from is not None:
+        state = restore(cfg, backend, handle, trainer, rollouts, resume_from)
+        truncate_completions(out / COMPLETIONS, state.step)
+        echo(f"resumed from {resume_from} (step {state.step} of {steps})")
+
+    # -- loop
+    save = checkpoint_writer(cfg, backend, handle, trainer, rollouts, out)
+    stopped_early = train_loop(cfg, trainer, rollouts, state, steps, save, out, echo,
+                               objective=GrpoObjective(backend, g), evaluate=evaluate)
+
+    # -- save, then evaluate what was saved
+    save_trained(cfg, backend, handle, out)
+    result = RunResult(out, state.step, state.losses, state.lrs, skipped_steps=state.skipped,
+                       stopped_early=stopped_early, model=handle, resumed_from=resumed_step(resume_from))
+    before, after = state.before, None
+    result.tokens_per_second = state.tokens_seen / max(state.train_time, 1e-9)
+    if cfg.eval.after_training and evaluate is not None:
+        value, after = evaluate()
+        echo(f"after training:  held-out reward {-value:.4f}")
+    if cfg.merge and cfg.adapter.type != "none":
+        merged = out / "merged"
+        merge_run(cfg, backend, str(out), str(merged), cfg.merge_dtype, overwrite=True)
+        echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")
+    result.seconds = time.perf_counter() - started
+    rewards = step_rewards(out)
+    summary = run_summary(cfg, result, info, rep.train_examples, rep.val_examples,
+                          first_reward=rewards[0] if rewards else None,
+                          final_reward=rewards[-1] if rewards else None)
+    summary["eval_before"], summary["eval_after"] = before, after
+    result.before, result.after = before, after
+    outputs.write_json_atomic(out / outputs.SUMMARY, summary)
+    return result
+
+
+def data_columns(loaded) -> set[str]:
+    """Columns every training record has (what a built-in reward may read), prompt excluded."""
+    sets = [set(rec.data) for ds in loaded.train for rec in ds.records]
+    return set.intersection(*sets) - {"prompt"} if sets else set()
+
+
+def held_out_reward(cfg, backend, handle, prompts: list, funcs: list):
+    """The weighted reward of greedy completions of the held-out prompts (higher is better; the
+    loop's early stopping watches its negative)."""
+    g, tok = cfg.grpo, handle.tokenizer
+    chosen = prompts[: cfg.eval.max_samples or None]
+    stop = stop_token_ids(tok)
+    weights = np.array([f.spec.weight for f in funcs])
+
+    def evaluate() -> tuple[float, dict]:
+        ids, texts = [], []
+        for start in range(0, len(chosen), cfg.eval.batch_size):
+            part = [list(map(int, ex.prompt.input_ids)) for ex in chosen[start : start + cfg.eval.batch_size]]
+            ids += backend.generate(handle, part, g.max_completion_length, stop)
+        texts = tok.batch_decode(ids, skip_special_tokens=True)
+        fields = [ex.fields for ex in chosen]
+        prompts_ = [f["prompt"] for f in fields]
+        shaped = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts_, texts)]
+        columns = {k: [f.get(k) for f in fields] for k in fields[0] if k != "prompt"}
+        r = score(funcs, prompts_, shaped, ids, columns)
+        total = np.nansum(r * weights[None, :], axis=1)
+        value = float(total.mean())
+        fields_out = {EVAL_KEY: round(value, 6)}
+        fields_out.update({f"eval_rewards/{f.name}/mean": round(float(np.nanmean(r[:, i])), 6)
+                           for i, f in enumerate(funcs) if not np.isnan(r[:, i]).all()})
+        return -value, fields_out
+
+    return evaluate
+
+
+def truncate_completions(path: Path, step: int) -> None:
+    """Keep the samples of steps up to `step`: a resumed run writes the later ones again."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def step_rewards(out: Path) -> list[float]:
+    """The mean reward of each generation, from metrics.jsonl."""
+    path = out / outputs.METRICS
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r["reward"] for r in rows if r.get("reward") is not None]
