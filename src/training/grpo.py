@@ -31,16 +31,16 @@ import numpy as np
 
 from ..data import load_data, prepare_data
 from ..evaluation.heldout import stop_token_ids
-from ..rewards import check_columns, load_reward_functions, parse_reward_specs, score
+from ..rewards import check_columns, load_reward_functions, parse_reward_specs
 from . import outputs
 from .grpo_loss import GrpoObjective
 from .loop import (
     LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, total_steps_for,
     train_loop,
 )
-from .merge import merge_run
+from .merge import merge_at_end
 from .reward_models import reward_model_function
-from .rollout import COMPLETIONS, RolloutBatcher
+from .rollout import COMPLETIONS, RolloutBatcher, score_completions
 
 EVAL_KEY = "eval_reward"
 
@@ -94,10 +94,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     if cfg.eval.after_training and evaluate is not None:
         value, after = evaluate()
         echo(f"after training:  held-out reward {-value:.4f}")
-    if cfg.merge and cfg.adapter.type != "none":
-        merged = out / "merged"
-        merge_run(cfg, backend, str(out), str(merged), cfg.merge_dtype, overwrite=True)
-        echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")
+    merge_at_end(cfg, backend, out, echo)
     result.seconds = time.perf_counter() - started
     rewards = step_rewards(out)
     summary = run_summary(cfg, result, info, rep.train_examples, rep.val_examples,
@@ -124,16 +121,12 @@ def held_out_reward(cfg, backend, handle, prompts: list, funcs: list):
     weights = np.array([f.spec.weight for f in funcs])
 
     def evaluate() -> tuple[float, dict]:
-        ids, texts = [], []
+        ids = []
         for start in range(0, len(chosen), cfg.eval.batch_size):
             part = [list(map(int, ex.prompt.input_ids)) for ex in chosen[start : start + cfg.eval.batch_size]]
             ids += backend.generate(handle, part, g.max_completion_length, stop)
         texts = tok.batch_decode(ids, skip_special_tokens=True)
-        fields = [ex.fields for ex in chosen]
-        prompts_ = [f["prompt"] for f in fields]
-        shaped = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts_, texts)]
-        columns = {k: [f.get(k) for f in fields] for k in fields[0] if k != "prompt"}
-        r = score(funcs, prompts_, shaped, ids, columns)
+        r = score_completions(funcs, [ex.fields for ex in chosen], texts, ids)
         total = np.nansum(r * weights[None, :], axis=1)
         value = float(total.mean())
         fields_out = {EVAL_KEY: round(value, 6)}

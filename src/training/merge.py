@@ -34,3 +34,11 @@ def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None 
     backend.load_adapter(handle, str(adapter))
     backend.merge_and_save(handle, str(out), dtype or cfg.merge_dtype)
     return out
+
+
+def merge_at_end(cfg, backend, out: Path, echo) -> None:
+    """`merge: true`: output_dir/merged, from the saved adapter onto a freshly loaded base, so the
+    merge lands on the full-precision weights whatever precision the base was held in for training."""
+    if cfg.merge and cfg.adapter.type != "none":
+        merged = merge_run(cfg, backend, str(out), str(out / "merged"), cfg.merge_dtype, overwrite=True)
+        echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")

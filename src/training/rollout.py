@@ -34,7 +34,7 @@ from ..data import Batch, Batcher, IGNORE_INDEX
 from ..errors import MudpuppyError
 from ..evaluation.heldout import stop_token_ids
 from ..rewards import score
-from .grpo_loss import RolloutBatch, group_advantages
+from .grpo_loss import RolloutBatch, group_advantages, nanstd
 
 COMPLETIONS = "completions.jsonl"
 
@@ -72,9 +72,8 @@ class RolloutBatcher:
         return len(self.prompts.examples) // self.per_generation * self.spg * self.g.num_iterations
 
     def next_batch(self) -> RolloutBatch:
-        cycle = self.spg * self.g.num_iterations
-        if self.served % cycle == 0:
-            self.buffer = self.generate(self.served // cycle)
+        if self.served % self.cycle == 0:
+            self.buffer = self.generate(self.served // self.cycle)
         micro = self.buffer[self.served % self.spg]
         self.served += 1
         return micro
@@ -97,32 +96,26 @@ class RolloutBatcher:
         sampled = time.perf_counter() - started
         texts = tok.batch_decode(completions, skip_special_tokens=True)
         fields = [ex.fields for ex in examples for _ in range(g.num_generations)]
-        rewards = self.score(fields, texts, completions)
+        rewards = score_completions(self.funcs, fields, texts, completions)
         adv = group_advantages(rewards, self.weights, g.num_generations, g.scale_rewards)
         truncated = np.array([not ids or ids[-1] not in self.stop_ids for ids in completions])
-        self.pending = self.metrics(rewards, adv, completions, truncated, sampled, time.perf_counter() - started)
+        trained = ~truncated if g.mask_truncated_completions else np.ones(len(completions), dtype=bool)
         step = self.served // self.cfg.training.gradient_accumulation_steps + 1
         self.log(step, fields, texts, rewards, adv.advantages)
         order = np.random.default_rng([self.cfg.training.seed, index, 1]).permutation(len(completions))
         size = self.cfg.training.micro_batch_size
-        loss_tokens = sum(len(c) for c, cut in zip(completions, truncated)
-                          if not (cut and g.mask_truncated_completions))
+        loss_tokens = sum(len(c) for c, keep in zip(completions, trained) if keep)
         micro = []
         for start in range(0, len(order), size):
             rows = order[start : start + size]
             micro.append(self.rollout_batch([prompt_ids[r] for r in rows], [completions[r] for r in rows],
-                                            adv.advantages[rows], truncated[rows], loss_tokens))
+                                            adv.advantages[rows], trained[rows].tolist(), loss_tokens))
+        # time/scoring: rewards, advantages and the old and reference log-probs, as docs/methods.md says.
+        self.pending = self.metrics(rewards, adv, completions, truncated, sampled, time.perf_counter() - started)
         return micro
 
-    def score(self, fields: list[dict], texts: list[str], completions: list[list[int]]) -> np.ndarray:
-        prompts = [f["prompt"] for f in fields]
-        shaped = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
-        columns = {k: [f.get(k) for f in fields] for k in fields[0] if k != "prompt"}
-        return score(self.funcs, prompts, shaped, completions, columns)
-
-    def rollout_batch(self, prompts, completions, advantages, truncated, loss_tokens: int) -> RolloutBatch:
+    def rollout_batch(self, prompts, completions, advantages, trained: list[bool], loss_tokens: int) -> RolloutBatch:
         g = self.g
-        trained = [not (cut and g.mask_truncated_completions) for cut in truncated]
         batch = completion_batch(prompts, completions, trained, self.handle.tokenizer.pad_token_id)
         rows = np.nonzero(batch.labels != IGNORE_INDEX)[0]
         micro = RolloutBatch(batch, np.asarray(advantages, np.float32), rows, None, None,
@@ -176,6 +169,16 @@ class RolloutBatcher:
         return self.spg * self.g.num_iterations
 
 
+def score_completions(funcs: list, fields: list[dict], texts: list[str], ids: list[list[int]]) -> np.ndarray:
+    """[completions, functions] rewards, called as TRL calls reward functions: the prompt as the data
+    had it, the completion as text (or as an assistant message when the prompt is messages), its
+    ids, and every other column by name."""
+    prompts = [f["prompt"] for f in fields]
+    shaped = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+    columns = {k: [f.get(k) for f in fields] for k in fields[0] if k != "prompt"}
+    return score(funcs, prompts, shaped, ids, columns)
+
+
 def generation_seed(seed: int, index: int) -> int:
     """The sampler's seed for generation batch `index`: a function of the two alone."""
     return int(np.random.default_rng([seed, index]).integers(0, 2**62))
@@ -224,9 +227,9 @@ def nanmean(x: np.ndarray) -> float:
 
 
 def nanstd_or_zero(x: np.ndarray) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    x = x[~np.isnan(x)]
-    return float(np.std(x, ddof=1)) if len(x) > 1 else 0.0
+    """TRL's logged std: the sample std of the non-NaN values, 0 for fewer than two."""
+    std = nanstd(x)
+    return 0.0 if np.isnan(std) else std
 
 
 def none_if_nan(v: float) -> float | None:

@@ -20,7 +20,7 @@ import time
 from ..data import Batcher, load_data, prepare_sft_data
 from ..evaluation import EvalResult, evaluate, heldout_loss
 from . import outputs
-from .merge import merge_run
+from .merge import merge_at_end
 from .loop import (
     LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, total_steps_for,
     train_loop,
@@ -68,12 +68,7 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     if cfg.eval.after_training and data.val:
         result.after = evaluate(backend, handle, data, cfg.eval)
         echo(f"after training:  {_describe(result.after)}")
-    if cfg.merge and cfg.adapter.type != "none":
-        merged = out / "merged"
-        # From the saved adapter onto a freshly loaded base: the merge lands on the
-        # full-precision weights, whatever precision the base was held in for training.
-        merge_run(cfg, backend, str(out), str(merged), cfg.merge_dtype, overwrite=True)
-        echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")
+    merge_at_end(cfg, backend, out, echo)
     result.seconds = time.perf_counter() - started
     outputs.write_json_atomic(out / outputs.SUMMARY, _summary(cfg, result, info, rep))
     return result

@@ -7,10 +7,7 @@ TRL in test_grpo_oracle.py; this file checks the pieces around it.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,12 +18,12 @@ from safetensors.numpy import load_file
 from mudpuppy import create_backend, load_config, run
 from mudpuppy.backends.protocol import Sampling
 from mudpuppy.config import ModelConfig
-from mudpuppy.data import Batch
 from mudpuppy.errors import ConfigError, MudpuppyError
 from mudpuppy.training.loop import FAULT_ENV
 from mudpuppy.training.rollout import RolloutBatcher, completion_batch
 
 from ..conftest import QUICKSTART_DATA
+from ..test_resume import cli
 
 RL_DATA = QUICKSTART_DATA / "sample_rl.jsonl"
 
@@ -193,11 +190,6 @@ def test_grpo_config_is_checked_up_front(tiny_config, tmp_path):
     cfg["adapter"] = {"type": "none"}
     with pytest.raises(ConfigError, match="grpo.beta"):
         load_config(cfg)
-
-
-def cli(cfg_path, *extra, env=None):
-    return subprocess.run([sys.executable, "-m", "mudpuppy", "run", "-c", str(cfg_path), *extra],
-                          capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
 
 
 def test_sigkill_then_resume_gives_the_same_rewards_and_losses(tiny_config, tmp_path):

@@ -20,7 +20,7 @@ from mudpuppy.training.grpo_loss import GrpoObjective, RolloutBatch
 from mudpuppy.training.rollout import completion_batch
 
 from .test_grpo import grpo_config
-from .test_preference_mlx import backends, run_config, same_adapter  # noqa: F401  (fixture)
+from .test_preference_mlx import assert_objectives_agree, backends, run_config, same_adapter  # noqa: F401
 
 pytestmark = pytest.mark.mlx
 TOL = 1e-4
@@ -58,13 +58,7 @@ def test_grpo_objective_and_training_agree_with_torch(loss_type, level, backends
                    temperature=0.9, epsilon_high=0.28, max_completion_length=8)
     batches = rollouts(torch_backend, th, g.temperature, every=2 if level == "token" else 1)
     t_obj, m_obj = GrpoObjective(torch_backend, g), GrpoObjective(mlx_backend, g)
-
-    t_loss, t_metrics = t_obj(th, batches[0], grad=False)
-    m_loss, m_metrics = m_obj(mh, batches[0], grad=False)
-    assert abs(torch_backend.ops.to_float(t_loss) - mlx_backend.ops.to_float(m_loss)) < TOL
-    assert t_metrics.keys() == m_metrics.keys()
-    for key in t_metrics:
-        assert m_metrics[key] == pytest.approx(t_metrics[key], abs=TOL), key
+    t_metrics = assert_objectives_agree(backends, (t_obj, m_obj), (th, mh), batches[0])
     assert t_metrics["clip_ratio/region_mean"] > 0          # the shifted old log-probs really clip
 
     t_trainer = torch_backend.create_trainer(th, cfg.training)

@@ -69,6 +69,19 @@ def same_adapter(backends, cfg, tmp_path, head=None):
     return th, mh
 
 
+def assert_objectives_agree(backends, objectives, handles, batch) -> dict:
+    """One objective on torch and on MLX, without gradient: the same value and metrics within TOL.
+    Returns torch's metrics."""
+    (torch_backend, mlx_backend), (t_obj, m_obj), (th, mh) = backends, objectives, handles
+    t_loss, t_metrics = t_obj(th, batch, grad=False)
+    m_loss, m_metrics = m_obj(mh, batch, grad=False)
+    assert abs(torch_backend.ops.to_float(t_loss) - mlx_backend.ops.to_float(m_loss)) < TOL
+    assert t_metrics.keys() == m_metrics.keys()
+    for key in t_metrics:
+        assert m_metrics[key] == pytest.approx(t_metrics[key], abs=TOL), key
+    return t_metrics
+
+
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_objective_values_and_training_agree_with_torch(kind, backends, tiny_model_dir, tmp_path):
     torch_backend, mlx_backend = backends
@@ -77,13 +90,7 @@ def test_objective_values_and_training_agree_with_torch(kind, backends, tiny_mod
     batches = prepared_items(cfg, th.tokenizer, kind)
     pref = PreferenceConfig(type=kind, **TYPES[kind])
     t_obj, m_obj = PreferenceObjective(torch_backend, pref), PreferenceObjective(mlx_backend, pref)
-
-    t_loss, t_metrics = t_obj(th, batches[0], grad=False)
-    m_loss, m_metrics = m_obj(mh, batches[0], grad=False)
-    assert abs(torch_backend.ops.to_float(t_loss) - mlx_backend.ops.to_float(m_loss)) < TOL
-    assert t_metrics.keys() == m_metrics.keys()
-    for key in t_metrics:
-        assert m_metrics[key] == pytest.approx(t_metrics[key], abs=TOL), key
+    assert_objectives_agree(backends, (t_obj, m_obj), (th, mh), batches[0])
 
     t_trainer = torch_backend.create_trainer(th, cfg.training)
     m_trainer = mlx_backend.create_trainer(mh, cfg.training)
