@@ -8,15 +8,23 @@ CHUNK_ROWS target positions at a time.
 Chunking a lazy graph is not enough on MLX. Evaluated in one go, the
 chunks are scheduled side by side and all their logits are alive at once;
 and under a gradient transform an evaluated array keeps its graph (it is a
-tracer), so nothing computed for the head is freed before the backward.
-Measured on the CPU build (N 4096, vocab 32000, [N, vocab] float32 = 0.52 GB):
-a lazy chunked head peaks at 1.06 GB without gradient and 2.64 GB with it,
-as much as one chunk of N; `mx.checkpoint` around each chunk changes nothing.
-So the head is one custom function: its forward evaluates each chunk and
-keeps only the N log-probs, and its VJP takes each chunk's gradient in
-turn, recomputing that chunk's logits (one more head pass). Results leave
-each chunk through numpy, the one way to cut an MLX array from its graph.
-Peaks: 0.27 GB without gradient, 0.96 GB with it, whatever N is.
+tracer), so nothing computed for the head is freed before the backward;
+`mx.checkpoint` around each chunk measured no better. So the head is one
+custom function: its forward evaluates each chunk and keeps only the N
+log-probs; its VJP takes each chunk's gradient in turn, recomputing that
+chunk's logits (one more head pass: 1.3-1.5x the head's time on the CPU
+build). Results leave each chunk through numpy, the one way to cut an MLX
+array from its graph.
+
+Measured on the CPU build, one-layer model, vocab 32000, frozen head (as under
+LoRA), peak memory without / with gradient (the rest of N's growth is the body):
+
+    N        lazy chunks          this
+    4096     1.06 / 1.63 GB       0.13 / 0.35 GB
+    16384    -    / 3.63 GB       0.28 / 0.76 GB
+
+A chunk's backward holds about a dozen [CHUNK_ROWS, vocab] float32 arrays
+(0.6 GB for a 49k vocabulary), hence 256 rows.
 
 A model whose head cannot run apart from its body (forward.check_forward_paths)
 gives full logits, which exist anyway; its log-softmax is not chunked.
@@ -30,7 +38,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .forward import head_module, hidden_and_head, model_caches, token_targets
 
-CHUNK_ROWS = 512
+CHUNK_ROWS = 256
 
 
 def scored(logits: mx.array, targets: mx.array, temperature: float, entropy: bool):
@@ -85,10 +93,10 @@ def chunked_head(module, head, rows: mx.array, targets: np.ndarray, temperature:
     ys = [mx.array(targets[span]) for span in spans]
     entropies: list[np.ndarray] = []
 
-    def chunk(r, params, y):
+    def logits_of(r, *params):
         if names:
             module.update(tree_unflatten(list(zip(names, params))))
-        return scored(head(r), y, temperature, entropy)
+        return head(r)
 
     def restore():
         if names:   # the transforms hand in copies of the weights; the module keeps its own
@@ -99,7 +107,7 @@ def chunked_head(module, head, rows: mx.array, targets: np.ndarray, temperature:
         entropies.clear()
         picked = []
         for span, y in zip(spans, ys):
-            logp, ent = chunk(rows[span], params, y)
+            logp, ent = scored(logits_of(rows[span], *params), y, temperature, entropy)
             picked.append(host(logp))
             if entropy:
                 entropies.append(host(ent))
@@ -111,7 +119,14 @@ def chunked_head(module, head, rows: mx.array, targets: np.ndarray, temperature:
         rows, params = primals
         d_rows, d_params = [], [np.zeros(p.shape, dtype=np.float32) for p in params]
         for span, y in zip(spans, ys):
-            _, grads = mx.vjp(lambda r, *p, y=y: chunk(r, p, y)[0], [rows[span], *params], [cotangent[span]])
+            logits = logits_of(rows[span], *params)
+            # d log p(y) / d logits = (one-hot(y) - softmax(logits / T)) / T, written out: fewer
+            # [chunk, vocab] temporaries than differentiating the log-softmax and the gather.
+            probs = mx.softmax(logits.astype(mx.float32) / temperature, axis=-1)
+            onehot = mx.arange(probs.shape[-1])[None] == y[:, None]
+            d_logits = (cotangent[span, None] / temperature) * (onehot - probs)
+            # The head's own VJP; the head output it also returns is never evaluated, so not recomputed.
+            _, grads = mx.vjp(logits_of, [rows[span], *params], [d_logits.astype(logits.dtype)])
             d_rows.append(host(grads[0]))
             for total, g in zip(d_params, grads[1:]):
                 total += host(g)
