@@ -24,13 +24,49 @@ def _handle_errors(fn):
         except MudpuppyError as exc:
             if debug:
                 traceback.print_exc()
-            click.echo(f"error: {exc}", err=True)
+            if not _reported_to_launcher(str(exc)):
+                click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except Exception as exc:
+            # A process of a distributed run whose collective failed because another process died:
+            # the launcher names that one; this one only says it lost contact.
+            from .launch import PEER_LOST, is_peer_loss
+
+            if is_peer_loss(exc) and _reported_to_launcher(f"{PEER_LOST} ({type(exc).__name__})"):
+                sys.exit(1)
+            _record_crash(exc)
+            raise
 
     return wrapper
+
+
+def _reported_to_launcher(message: str) -> bool:
+    """In one process of a distributed run: hand the failure to the launcher, which prints it once.
+    Under a plain torchrun each rank prints its own, prefixed with the rank."""
+    from .distributed import from_environment
+
+    ranks = from_environment()
+    if not ranks.distributed:
+        return False
+    from .launch import record_failure
+
+    if record_failure(message):
+        return True
+    click.echo(f"error (rank {ranks.rank}): {message}", err=True)
+    return True
+
+
+def _record_crash(exc: Exception) -> None:
+    """A bug in one process of a distributed run: the launcher names it; the traceback is printed too."""
+    from .distributed import from_environment
+
+    if from_environment().distributed:
+        from .launch import record_failure
+
+        record_failure(f"crashed with {type(exc).__name__}: {exc} (traceback above)")
 
 
 config_option = click.option("--config", "-c", "config_path", required=True,
@@ -67,23 +103,46 @@ def _quiet_libraries() -> None:
 @set_option
 @click.option("--overwrite", is_flag=True, help="Replace an output_dir that already holds a run.")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in output_dir.")
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Train with N processes on this node: torchrun's engine (torch), mlx.launch (MLX). "
+                   "See docs/distributed.md for several nodes.")
 @debug_option
 @_handle_errors
-def run(config_path, backend, overrides, overwrite, resume, debug):
+def run(config_path, backend, overrides, overwrite, resume, nproc, debug):
     """Run the training job a config describes."""
     from . import create_backend, load_config
+    from .distributed import launched
     from .training import run as run_method
 
     overrides = list(overrides) + ([f"backend={backend}"] if backend else []) + (["resume=true"] if resume else [])
     cfg = load_config(config_path, overrides)
+    if nproc and nproc > 1:
+        if launched():
+            raise MudpuppyError("--nproc: this process is already one of a distributed run (started by torchrun or "
+                                "mlx.launch); drop --nproc, the launcher sets the number of processes")
+        sys.exit(_launch(cfg, nproc))
     impl = create_backend(cfg.backend, **cfg.backend_options())
-    click.echo(f"backend: {impl.name} on {impl.device}")
+    # In a distributed run rank 0 speaks for all.
+    say = click.echo if getattr(impl, "ranks", None) is None or impl.ranks.is_main else (lambda *_a, **_k: None)
+    say(f"backend: {impl.name} on {impl.device}")
     for note in getattr(getattr(impl, "plan", None), "notes", []):
-        click.echo(f"  {note}")
-    result = run_method(cfg, impl, overwrite=overwrite, echo=click.echo)
-    click.echo(_table(result))
-    click.echo(f"saved to {result.output_dir} ({result.steps} steps, {result.seconds:.0f} s, "
+        say(f"  {note}")
+    result = run_method(cfg, impl, overwrite=overwrite, echo=say)
+    say(_table(result))
+    say(f"saved to {result.output_dir} ({result.steps} steps, {result.seconds:.0f} s, "
                f"{result.tokens_per_second:.0f} tokens/s while training)")
+
+
+def _launch(cfg, nproc: int) -> int:
+    from .backends.factory import resolve_auto
+    from .launch import child_arguments, launch
+
+    name = cfg.backend if cfg.backend != "auto" else resolve_auto().name
+    if name == "mlx" and cfg.distributed.strategy == "fsdp":
+        raise MudpuppyError("distributed.strategy: fsdp is torch's (FSDP2); MLX trains data-parallel only: "
+                            "use strategy: ddp with the mlx backend")
+    args = child_arguments(sys.argv[sys.argv.index("run") + 1:])
+    return launch(cfg, name, nproc, args, echo=click.echo)
 
 
 @main.command()
@@ -237,6 +296,11 @@ def _table(result) -> str:
     if any(getattr(e, "accuracy", None) is not None for e in (before, after)):
         name = getattr(after or before, "accuracy_name", "accuracy").replace("_", " ")
         rows.append((name, cell(before, "accuracy", "{:.1%}"), cell(after, "accuracy", "{:.1%}")))
+    if isinstance(after or before, dict):      # GRPO: held-out rewards by name
+        keys = list(dict.fromkeys([*(before or {}), *(after or {})]))
+        for key in keys:
+            pick = [f"{e[key]:.3f}" if e and e.get(key) is not None else "-" for e in (before, after)]
+            rows.append((key.removeprefix("eval_").replace("rewards/", "").replace("/mean", ""), *pick))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))

@@ -272,6 +272,23 @@ class MemoryConfig(_Strict):
         return [f"memory.{name}" for name, on in self.model_dump().items() if on]
 
 
+class DistributedConfig(_Strict):
+    """How several processes train one model (torchrun / --nproc, mlx.launch). See docs/distributed.md."""
+
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: every rank holds the whole model, gradients are averaged; fsdp (torch only): "
+                           "FSDP2 shards parameters, gradients and optimizer state across ranks")
+    reshard_after_forward: bool = Field(
+        True, description="fsdp: free each layer's gathered weights after its forward (less memory, one more "
+                          "all-gather in the backward)")
+    cpu_offload: bool = Field(
+        False, description="fsdp: keep the sharded parameters, gradients and optimizer state in host memory")
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="fsdp: auto = bf16 parameters with fp32 gradient reduction where the device computes "
+                            "in bf16, fp32 otherwise")
+    timeout_s: int = Field(600, gt=0, description="a collective waiting longer than this ends the run")
+
+
 class LoggingConfig(_Strict):
     log_every: int = Field(1, gt=0)
     progress_bar: bool = True
@@ -289,6 +306,7 @@ class RunConfig(_Strict):
     output_dir: str = Field(min_length=1)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     resume: bool | Literal["auto"] = Field(False, description="continue from the newest complete checkpoint")
     merge: bool = Field(False, description="merge the adapter into the base model at the end of the run")
     merge_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -356,7 +374,7 @@ class RunConfig(_Strict):
     def backend_options(self) -> dict[str, Any]:
         """What `create_backend` needs from the config besides the name."""
         return {"devices": self.devices, "precision": self.training.precision, "memory": self.memory,
-                "optimizer": self.training.optimizer}
+                "optimizer": self.training.optimizer, "distributed": self.distributed}
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"source_dir"})

@@ -15,6 +15,12 @@ them in an order drawn from ``seed + epoch`` alone. A batcher's position is
 therefore two integers, and a resumed run sees exactly the batches an
 uninterrupted one would. This is also mlx-lm's design: fixed batches,
 shuffled order.
+
+In a distributed run of N processes every rank walks the same global order,
+N times as many units per step, and keeps its own contiguous share of each
+global batch: rank r of N at micro batch b sees rows r*b..(r+1)*b-1 of the
+batch one process at micro batch N*b would see. The position is global, so
+a checkpoint resumes with any number of processes.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ class Batcher:
 
     def __init__(self, examples: list[Example], micro_batch_size: int, pad_id: int, seed: int,
                  shuffle: bool = True, *, packing: bool = False, sequence_len: int | None = None,
-                 tokens_per_batch: int | None = None, group_by_length: bool = False, collate_fn=collate):
+                 tokens_per_batch: int | None = None, group_by_length: bool = False, collate_fn=collate,
+                 shard: tuple[int, int] = (0, 1)):
         if not examples:
             raise ValueError("no examples to batch")
         if packing and sequence_len is None:
@@ -51,17 +58,23 @@ class Batcher:
         self.mode, self._units, self._per_batch = plan_batches(
             [len(e) for e in examples], micro_batch_size, seed, packing=packing, sequence_len=sequence_len,
             tokens_per_batch=tokens_per_batch, by_length=group_by_length)
+        # (rank, world): each step takes `world` times the units and this rank keeps its share.
+        self.rank, self.world = shard
+        self._per_batch *= self.world
         self.epoch = 0
         self.position = 0          # units (examples, rows or batches) consumed this epoch
         self._order = self._order_for(0)
 
     @classmethod
     def from_config(cls, examples: list[Example], cfg, pad_id: int, collate_fn=collate) -> Batcher:
-        """The batcher a RunConfig describes (training.micro_batch_size/seed, data.packing/...)."""
-        d, t = cfg.data, cfg.training
+        """The batcher a RunConfig describes (training.micro_batch_size/seed, data.packing/...), for this
+        process's rank of a distributed run."""
+        from ..distributed import current
+
+        d, t, ranks = cfg.data, cfg.training, current()
         return cls(examples, t.micro_batch_size, pad_id, t.seed, d.shuffle, packing=d.packing,
                    sequence_len=d.sequence_len, tokens_per_batch=d.tokens_per_batch,
-                   group_by_length=d.group_by_length, collate_fn=collate_fn)
+                   group_by_length=d.group_by_length, collate_fn=collate_fn, shard=(ranks.rank, ranks.world))
 
     @property
     def batches_per_epoch(self) -> int:
@@ -79,10 +92,24 @@ class Batcher:
             self._order = self._order_for(self.epoch)
         take = self._order[self.position : self.position + self._per_batch]
         self.position += len(take)
-        units = [self._units[u] for u in take]
+        mine, placeholder = self._share(take)
+        units = [self._units[u] for u in mine]
         if self.packing:
-            return collate_packed([[self.examples[i] for i in row] for row in units], self.pad_id)
-        return self.collate_fn([self.examples[i] for unit in units for i in unit], self.pad_id)
+            batch = collate_packed([[self.examples[i] for i in row] for row in units], self.pad_id)
+        else:
+            batch = self.collate_fn([self.examples[i] for unit in units for i in unit], self.pad_id)
+        if placeholder:
+            batch.placeholder = True
+        return batch
+
+    def _share(self, take: np.ndarray) -> tuple[np.ndarray, bool]:
+        """This rank's contiguous part of a global batch. The last batch of an epoch may hold fewer
+        units than ranks: a rank left without any gets a copy of the first, marked `placeholder`, which
+        the trainer runs with weight zero (every rank must take part in each step's collectives)."""
+        if self.world == 1:
+            return take, False
+        mine = np.array_split(take, self.world)[self.rank]
+        return (mine, False) if len(mine) else (take[:1], True)
 
     def epoch_batches(self) -> list[Batch]:
         """One epoch of batches in unshuffled order, without moving the batcher (for reports)."""

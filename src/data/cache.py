@@ -143,8 +143,13 @@ def write_entry(root: Path, key: str, prepared) -> Path:
                 "report": asdict(prepared.report)}
         (staging / "meta.json").write_text(json.dumps(meta, default=str))
         if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            # Another process (a rank of the same distributed run) stored the same entry first.
+            if not (target / "meta.json").is_file():
+                raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -14,5 +14,22 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
     """Run the method a config names on `backend` (created from the config when omitted)."""
     from ..backends import create_backend
 
+    from ..distributed import current
+    from ..errors import MudpuppyError
+
     backend = backend or create_backend(cfg.backend, **cfg.backend_options())
+    ranks = current()
+    if ranks.distributed:
+        if cfg.method == "grpo":
+            raise MudpuppyError("method grpo runs in one process for now: its rollouts are sampled and scored by "
+                                "one rank (start it without --nproc / torchrun)")
+        from ..backends.torch.distributed import check_same_config
+
+        check_same_config(cfg)
+        if not ranks.is_main:
+            echo = _silent            # rank 0 speaks for the run
     return METHODS[cfg.method](cfg, backend, overwrite=overwrite, echo=echo)
+
+
+def _silent(*_args, **_kwargs) -> None:
+    pass

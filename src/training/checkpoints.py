@@ -10,6 +10,11 @@ Layout of ``output_dir/checkpoints/step-00000010/``:
     weights + optimizer + runtime RNG   written by the backend (save_training_state)
     pipeline_state.json                 step, data position, schedule, eval history
     complete.json                       written last; its presence means "complete"
+
+In a distributed run every rank writes its part of the weights and optimizer
+into the same staging directory; rank 0 alone creates it, writes the two JSON
+files and renames it once all ranks are done, so a crash of any rank leaves
+the previous checkpoint as the newest complete one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ..distributed import current as current_ranks
 from ..errors import MudpuppyError
 
 DIRNAME = "checkpoints"
@@ -46,15 +52,29 @@ def newest_checkpoint(output_dir: Path) -> Path | None:
 
 def save_checkpoint(output_dir: Path, step: int, identity: dict, pipeline_state: dict,
                     write_backend_state, keep_last_n: int | None) -> Path:
-    """Write one checkpoint atomically; `write_backend_state(dir)` saves weights and optimizer."""
+    """Write one checkpoint atomically; `write_backend_state(dir)` saves weights and optimizer
+    (collectively, in a distributed run: every rank calls this)."""
+    ranks = current_ranks()
     root = checkpoint_root(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
-    staging = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
+    # One staging directory for all ranks of a distributed run (rank 0's pid names it).
+    staging = root / f".tmp-step-{step:08d}-{ranks.broadcast(os.getpid())}"
+    if ranks.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    ranks.barrier()
     write_backend_state(staging)
+    ranks.barrier()
+    if ranks.is_main:
+        _finish(output_dir, root, staging, final, step, identity, pipeline_state, keep_last_n)
+    ranks.barrier()
+    return final
+
+
+def _finish(output_dir, root: Path, staging: Path, final: Path, step: int, identity: dict, pipeline_state: dict,
+            keep_last_n: int | None) -> None:
     (staging / STATE).write_text(json.dumps(pipeline_state), encoding="utf-8")
     (staging / MARKER).write_text(json.dumps({"step": step, **identity}), encoding="utf-8")
     _fsync_dir(staging)
@@ -65,7 +85,6 @@ def save_checkpoint(output_dir: Path, step: int, identity: dict, pipeline_state:
     if keep_last_n:
         for old in list_checkpoints(output_dir)[:-keep_last_n]:
             shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def read_checkpoint(path: Path, identity: dict) -> dict:

@@ -54,8 +54,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     funcs = load_reward_functions(specs, cfg.source_dir, reward_model=lambda spec: reward_model_function(
         backend, spec, cfg.source_dir))
     check_columns(funcs, data_columns(loaded), loaded.train[0].name)
-    out, resume_from = outputs.prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
-    outputs.write_config(out, cfg)
+    out, resume_from = outputs.start_output_dir(cfg, overwrite)
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
     data = prepare_data(cfg, handle.tokenizer, loaded, method="grpo")
@@ -102,7 +101,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
                           final_reward=rewards[-1] if rewards else None)
     summary["eval_before"], summary["eval_after"] = before, after
     result.before, result.after = before, after
-    outputs.write_json_atomic(out / outputs.SUMMARY, summary)
+    outputs.write_summary(out, summary)
     return result
 
 

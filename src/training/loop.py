@@ -21,13 +21,16 @@ from pathlib import Path
 from typing import Callable
 
 from ..data import Batcher
+from ..distributed import current as current_ranks
 from ..errors import MudpuppyError, OutOfDeviceMemory
 from . import checkpoints, outputs
 from .schedule import learning_rate
 
 # Fault injection for the resume tests: SIGKILL this process right after the
-# given step (and its checkpoint) completes, as a crash or OOM kill would.
+# given step (and its checkpoint) completes, as a crash or OOM kill would; in a
+# distributed run only the rank FAULT_RANK_ENV names (default: every rank).
 FAULT_ENV = "MUDPUPPY_FAULT_AFTER_STEP"
+FAULT_RANK_ENV = "MUDPUPPY_FAULT_RANK"
 
 
 class TrainingDiverged(MudpuppyError):
@@ -135,9 +138,10 @@ def train_loop(cfg, trainer, batcher, state: LoopState, steps: int, save, out: P
 def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, evaluate, stop) -> bool:
     """Run optimizer steps from state.step to `steps`; True when early stopping ended it."""
     t = cfg.training
-    log = outputs.MetricsLog(out, truncate_after=state.step)
-    bar = progress_bar(steps, state.step, cfg.logging.progress_bar)
-    fault_step = int(os.environ.get(FAULT_ENV, "0") or 0)
+    main = current_ranks().is_main          # in a distributed run rank 0 alone logs
+    log = outputs.MetricsLog(out, truncate_after=state.step) if main else outputs.NoLog()
+    bar = progress_bar(steps, state.step, cfg.logging.progress_bar and main)
+    fault_step = fault_injection_step()
     last_saved = state.step
     try:
         while state.step < steps:
@@ -206,6 +210,14 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
     return False
 
 
+def fault_injection_step() -> int:
+    """The step after which the resume tests kill this process (0: never)."""
+    rank = os.environ.get(FAULT_RANK_ENV, "")
+    if rank != "" and int(rank) != current_ranks().rank:
+        return 0
+    return int(os.environ.get(FAULT_ENV, "0") or 0)
+
+
 def rounded(value: float) -> float | None:
     """A metric for metrics.jsonl: 6 decimals, and NaN (no value this step) as null, which JSON can hold."""
     return None if value != value else round(value, 6)
@@ -254,8 +266,9 @@ def save_trained(cfg, backend, handle, out: Path) -> None:
     if cfg.adapter.type == "none":
         backend.save_model(handle, str(out))
     else:
-        backend.save_adapter(handle, str(out))
-        handle.tokenizer.save_pretrained(str(out))
+        backend.save_adapter(handle, str(out))       # collective in a distributed run; rank 0 writes
+        if current_ranks().is_main:
+            handle.tokenizer.save_pretrained(str(out))
 
 
 def progress_bar(total: int, done: int, enabled: bool):

@@ -39,6 +39,9 @@ def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None 
 def merge_at_end(cfg, backend, out: Path, echo) -> None:
     """`merge: true`: output_dir/merged, from the saved adapter onto a freshly loaded base, so the
     merge lands on the full-precision weights whatever precision the base was held in for training."""
-    if cfg.merge and cfg.adapter.type != "none":
+    from ..distributed import current
+
+    # Rank 0 of a distributed run alone: the merge reads the saved adapter, not the sharded model.
+    if cfg.merge and cfg.adapter.type != "none" and current().is_main:
         merged = merge_run(cfg, backend, str(out), str(out / "merged"), cfg.merge_dtype, overwrite=True)
         echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")

@@ -58,6 +58,27 @@ def prepare_output_dir(path: str | Path, overwrite: bool, resume: bool | str = F
     return out, None
 
 
+def start_output_dir(cfg, overwrite: bool) -> tuple[Path, Path | None]:
+    """prepare_output_dir and the config copy; in a distributed run rank 0 does both and every rank gets
+    its answer (or its error), so no two processes clear or write the same directory."""
+    from ..distributed import current
+
+    def prepare():
+        out, resume_from = prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
+        write_config(out, cfg)
+        return out, resume_from
+
+    return current().on_main(prepare)
+
+
+def write_summary(out: Path, data) -> None:
+    """run_summary.json, written by rank 0 of a distributed run (the last thing a run writes)."""
+    from ..distributed import current
+
+    if current().is_main:
+        write_json_atomic(out / SUMMARY, data)
+
+
 def write_json_atomic(path: Path, data) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
@@ -66,6 +87,16 @@ def write_json_atomic(path: Path, data) -> None:
 
 def write_config(out: Path, cfg) -> None:
     (out / CONFIG).write_text(yaml.safe_dump(cfg.dump(), sort_keys=False), encoding="utf-8")
+
+
+class NoLog:
+    """The metrics log of a rank other than 0 in a distributed run: rank 0 writes the run's log."""
+
+    def write(self, **fields) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class MetricsLog:

@@ -58,8 +58,7 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     screening = screen_records(loaded.train + loaded.val)
     if screening.bad and recipe.bad_input == "error":
         raise_bad_records(screening, method)
-    out, resume_from = outputs.prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
-    outputs.write_config(out, cfg)
+    out, resume_from = outputs.start_output_dir(cfg, overwrite)
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision, head=recipe.head, adapter=cfg.adapter)
     data = prepare_data(cfg, handle.tokenizer, loaded, method=method)
@@ -122,7 +121,7 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
         backend.merge_and_save(handle, str(merged), cfg.merge_dtype)
         echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")
     result.seconds = time.perf_counter() - started
-    outputs.write_json_atomic(out / outputs.SUMMARY, summary(cfg, result, info, len(train), len(val), screening,
+    outputs.write_summary(out, summary(cfg, result, info, len(train), len(val), screening,
                                                               no_room))
     return result
 
@@ -131,11 +130,15 @@ def save_whole(cfg, backend, handle, out: Path, echo) -> None:
     """A scalar-head model is only useful whole: output_dir gets the complete model (adapter merged
     in, at the training dtype, so scores stay exact), loadable with AutoModelFor*Classification
     alone; the adapter, with its trained head, goes to output_dir/adapter for PEFT users."""
+    from ..distributed import current
+
     if cfg.adapter.type == "none":
         backend.save_model(handle, str(out))
         return
     adapter = out / ADAPTER_DIR
-    backend.save_adapter(handle, str(adapter))
+    backend.save_adapter(handle, str(adapter))       # collective in a distributed run; rank 0 writes
+    if not current().is_main:
+        return                  # under ddp rank 0 holds the whole model too, and merges it alone
     handle.tokenizer.save_pretrained(str(adapter))
     dtype = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
     backend.merge_and_save(handle, str(out), dtype)

@@ -31,8 +31,7 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     started = time.perf_counter()
     # -- setup: data problems surface before any model loads or anything is written
     loaded = load_data(cfg, "sft")
-    out, resume_from = outputs.prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
-    outputs.write_config(out, cfg)
+    out, resume_from = outputs.start_output_dir(cfg, overwrite)
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
     data = prepare_sft_data(cfg, handle.tokenizer, loaded)
@@ -70,7 +69,7 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         echo(f"after training:  {_describe(result.after)}")
     merge_at_end(cfg, backend, out, echo)
     result.seconds = time.perf_counter() - started
-    outputs.write_json_atomic(out / outputs.SUMMARY, _summary(cfg, result, info, rep))
+    outputs.write_summary(out, _summary(cfg, result, info, rep))
     return result
 
 

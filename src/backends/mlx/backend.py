@@ -41,9 +41,12 @@ class MlxBackend:
     name = "mlx"
 
     def __init__(self, device: str, gpu: bool):
+        from .distributed import join
+
         self.device = device
         self.gpu = gpu
         self.ops = MlxOps()
+        self.ranks = join()         # rank 0 of 1 unless mlx.launch / --nproc started several
 
     # ------------------------------------------------------------------ models
     def load_model(self, model_cfg, precision: str = "auto", head: str | None = None, adapter=None) -> MlxModel:
@@ -58,6 +61,8 @@ class MlxBackend:
             raise MudpuppyError("save_model: this model carries an adapter; save it with save_adapter")
         if any(k.endswith(".scales") for k, _ in tree_flatten(handle.model.parameters())):
             raise MudpuppyError("save_model: the base is quantized (QLoRA); save the adapter instead")
+        if not self.ranks.is_main:      # rank 0 of a distributed run writes the run's outputs
+            return
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         weights = dict(tree_flatten(handle.model.parameters()))
@@ -130,7 +135,8 @@ class MlxBackend:
         return choose_target_modules({p.rsplit(".", 1)[-1] for p in linear_layers(model)}, wanted)
 
     def save_adapter(self, handle: MlxModel, path: str) -> None:
-        adapter_io.save_adapter(handle, path)
+        if self.ranks.is_main:
+            adapter_io.save_adapter(handle, path)
 
     def load_adapter(self, handle: MlxModel, path: str, trainable: bool = False) -> None:
         adapter_io.load_adapter(handle, path, trainable)
@@ -144,7 +150,8 @@ class MlxBackend:
 
     # --------------------------------------------------------- training state
     def save_training_state(self, handle: MlxModel, trainer: MlxTrainer, path: str) -> None:
-        save_training_state(self, handle, trainer, path)
+        if self.ranks.is_main:          # every rank holds the same state: rank 0 writes it
+            save_training_state(self, handle, trainer, path)
 
     def load_training_state(self, handle: MlxModel, trainer: MlxTrainer, path: str) -> None:
         load_training_state(self, handle, trainer, path)
@@ -156,7 +163,7 @@ class MlxBackend:
         mx.random.seed(seed)
 
     def create_trainer(self, handle: MlxModel, training_cfg) -> MlxTrainer:
-        return MlxTrainer(handle, training_cfg)
+        return MlxTrainer(handle, training_cfg, self.ranks)
 
     def evaluate_loss(self, handle: MlxModel, batches) -> tuple[float, int]:
         handle.model.eval()

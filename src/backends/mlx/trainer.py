@@ -47,10 +47,16 @@ def clip_by_norm(grads, norm: float, max_norm: float | None):
 
 
 class MlxTrainer:
-    """One optimizer over the trainable parameters; the pipeline passes the learning rate in."""
+    """One optimizer over the trainable parameters; the pipeline passes the learning rate in.
 
-    def __init__(self, handle, cfg):
+    In a distributed run (`ranks.distributed`) each rank computes the gradient of its share and the
+    gradients are averaged once per step (distributed.py)."""
+
+    def __init__(self, handle, cfg, ranks=None):
+        from ...distributed import Ranks
+
         self.handle, self.cfg = handle, cfg
+        self.ranks = ranks or Ranks()
         if not tree_flatten(handle.model.trainable_parameters()):
             raise MudpuppyError("nothing to train: the model has no trainable parameters")
         if cfg.gradient_checkpointing:
@@ -74,23 +80,46 @@ class MlxTrainer:
         model.train()
         mx.random.seed(self._step_seed())
         self.steps += 1
-        counts = [objective.count(b) for b in micro_batches]
-        loss_tokens = sum(counts)
-        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches)
+        # A placeholder (a rank left without data at the end of an epoch) contributes nothing.
+        counts = [0 if getattr(b, "placeholder", False) else objective.count(b) for b in micro_batches]
+        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches if not getattr(b, "placeholder", False))
+        distributed = self.ranks.distributed
+        if distributed:
+            from .distributed import all_sum
+
+            loss_tokens = sum(all_sum(counts))
+            loss_tokens = int(loss_tokens) if float(loss_tokens).is_integer() else loss_tokens
+        else:
+            loss_tokens = sum(counts)
+        # average_gradients divides by the number of ranks; the sum is what one process computes.
+        scale = self.ranks.world / max(loss_tokens, 1)
         grads, total, sums, weights = None, 0.0, {}, {}
         for batch, n in zip(micro_batches, counts):
             if n == 0:
                 continue  # contributes neither loss nor gradient
-            (_, raw), g = self._value_and_grad(objective, batch, 1.0 / max(loss_tokens, 1))
+            (_, raw), g = self._value_and_grad(objective, batch, scale)
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(raw, grads)
             total += raw.item()
             for key, value in self._metrics.items():  # a metric may be absent from some micro-batches
                 sums[key] = sums.get(key, 0.0) + value * n
                 weights[key] = weights.get(key, 0) + n
-        metrics = {key: value / weights[key] for key, value in sums.items()}
+        if distributed:
+            from .distributed import all_sum, average_gradients
+
+            keys = sorted(set().union(*self.ranks.gather(sorted(sums))))   # a rank may have seen none of a metric
+            reduced = all_sum([total, tokens] + [sums.get(k, 0.0) for k in keys] + [weights.get(k, 0) for k in keys])
+            total, tokens = reduced[0], int(reduced[1])
+            sums, weights = dict(zip(keys, reduced[2 : 2 + len(keys)])), dict(zip(keys, reduced[2 + len(keys):]))
+            if loss_tokens:
+                # Every rank takes part in the average, one without loss units this step with zeros.
+                if grads is None:
+                    grads = tree_map(mx.zeros_like, model.trainable_parameters())
+                grads = average_gradients(grads)
+                mx.eval(grads)
+        metrics = {key: value / weights[key] for key, value in sums.items() if weights[key]}
         mean = total / max(loss_tokens, 1)
-        if grads is None:
+        if grads is None or not loss_tokens:
             return StepResult(mean, loss_tokens, tokens, 0.0, skipped=True, metrics=metrics)
         grad_norm = global_norm(grads).item()
         if not (math.isfinite(mean) and math.isfinite(grad_norm)):

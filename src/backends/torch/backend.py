@@ -8,6 +8,7 @@ class does the rest with transformers and PEFT.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,7 @@ class DevicePlan:
     memory: Any = None                # config.MemoryConfig: offload and streaming (None: all off)
     optimizer: str = "adamw"          # training.optimizer, checked against this device when the plan is made
     host: torch.device = field(default_factory=lambda: torch.device("cpu"))   # where offloaded state lives
+    distributed: Any = None           # config.DistributedConfig: the strategy when launched as several processes
 
 
 @dataclass
@@ -71,12 +73,32 @@ class TorchModel:
     adapter_type: str | None = None   # set by attach_adapter: none, lora, dora or qlora
 
 
+def _gathered(method):
+    """Under FSDP, compute outside a training step sees the root's parameters whole (distributed.py)."""
+    @functools.wraps(method)
+    def wrapper(self, handle, *args, **kwargs):
+        engine = self.engine
+        if engine is None or handle.model is not engine.step_module.model:
+            return method(self, handle, *args, **kwargs)
+        with engine.gathered():
+            return method(self, handle, *args, **kwargs)
+
+    return wrapper
+
+
 class TorchBackend:
     def __init__(self, plan: DevicePlan):
+        from .distributed import join
+
         self.plan = plan
         self.name = plan.name
         self.device = str(plan.device)
         self.ops = TorchOps(plan.device)
+        self.ranks = join(plan.device.type, plan.distributed)   # rank 0 of 1 unless a launcher started several
+        self.engine = None            # distributed.Engine once a trainer wraps the model for several processes
+        if self.ranks.distributed:
+            plan.notes.append(f"distributed: rank {self.ranks.rank} of {self.ranks.world}, strategy "
+                              f"{plan.distributed.strategy if plan.distributed else 'ddp'}")
         return_freed_host_memory()    # a model loaded tensor by tensor would otherwise leave the heap at its peak
 
     # ------------------------------------------------------------------ models
@@ -167,8 +189,19 @@ class TorchBackend:
         return self.plan.autocast_dtype
 
     def save_model(self, handle: TorchModel, path: str) -> None:
-        handle.model.save_pretrained(path, safe_serialization=True)
-        handle.tokenizer.save_pretrained(path)
+        """The whole model; in a distributed run gathered to rank 0, which alone writes."""
+        state = self._gather_state(handle, trainable_only=False)
+        if self.ranks.is_main:
+            handle.model.save_pretrained(path, safe_serialization=True, **state)
+            handle.tokenizer.save_pretrained(path)
+
+    def _gather_state(self, handle: TorchModel, trainable_only: bool) -> dict:
+        """{} for one process; else {"state_dict": the full state on rank 0} (collective under FSDP)."""
+        if self.engine is None or handle.model is not self.engine.step_module.model:
+            return {}
+        from .distributed import full_state_dict
+
+        return {"state_dict": full_state_dict(handle.model, trainable_only)}
 
     # ---------------------------------------------------------------- adapters
     def attach_adapter(self, handle: TorchModel, adapter_cfg) -> AdapterInfo:
@@ -231,7 +264,10 @@ class TorchBackend:
         return choose_target_modules(linear, wanted)
 
     def save_adapter(self, handle: TorchModel, path: str) -> None:
-        handle.model.save_pretrained(path, safe_serialization=True)
+        """The PEFT adapter; in a distributed run the same file a single process writes, from rank 0."""
+        state = self._gather_state(handle, trainable_only=True)
+        if self.ranks.is_main:
+            handle.model.save_pretrained(path, safe_serialization=True, **state)
 
     def load_adapter(self, handle: TorchModel, path: str) -> None:
         from peft import PeftConfig, PeftModel
@@ -275,6 +311,7 @@ class TorchBackend:
     def create_trainer(self, handle: TorchModel, training_cfg) -> "TorchTrainer":
         from .frozen import keep_weights_for_backward
         from .memory import ActivationOffload
+        from .distributed import Engine, fsdp_problem
 
         base = _unwrap(handle.model)
         checkpointing = training_cfg.gradient_checkpointing is not False   # None means the default: on
@@ -291,7 +328,14 @@ class TorchBackend:
             from .compile import compile_layers
 
             compile_layers(handle.model, self.plan.name)
-        return TorchTrainer(self, handle, training_cfg, offload)
+        if self.ranks.distributed:
+            strategy = self.plan.distributed.strategy if self.plan.distributed else "ddp"
+            problem = fsdp_problem(handle.adapter_type, self.plan, handle.head) if strategy == "fsdp" else None
+            if problem:
+                raise MudpuppyError(problem)
+            # Before the optimizer is built: FSDP replaces the parameters with their shards.
+            self.engine = Engine(strategy, handle.model, self.plan, self.plan.distributed, checkpointing)
+        return TorchTrainer(self, handle, training_cfg, offload, self.engine)
 
     def _tensors(self, batch, model, every_position: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Model keyword inputs and the labels. A packed batch gets its per-segment
@@ -319,6 +363,7 @@ class TorchBackend:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.plan.device.type, dtype=handle.autocast_dtype)
 
+    @_gathered
     def loss_sum(self, handle: TorchModel, batch) -> tuple[torch.Tensor, int]:
         """Summed cross-entropy over loss-carrying tokens, without full-vocab logits for the rest.
 
@@ -333,32 +378,40 @@ class TorchBackend:
             hidden, targets = hidden[keep], labels[keep]
             head = base.get_output_embeddings()
             total = hidden.new_zeros((), dtype=torch.float32)
-            for start in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
+            # At least one (possibly empty) chunk: a batch with no target still yields a loss with a
+            # graph, so that every rank of a distributed step takes part in the backward.
+            for start in range(0, max(targets.numel(), 1), LOSS_CHUNK_TOKENS):
                 logits = head(hidden[start : start + LOSS_CHUNK_TOKENS]).float()
                 total = total + torch.nn.functional.cross_entropy(
                     logits, targets[start : start + LOSS_CHUNK_TOKENS], reduction="sum")
         return total, int(targets.numel())
 
+    @_gathered
     def sequence_logprobs(self, handle: TorchModel, batch, grad: bool = True) -> tuple[torch.Tensor, np.ndarray]:
         return logprobs.sequence_logprobs(self, handle, batch, grad)
 
+    @_gathered
     def reference_logprobs(self, handle: TorchModel, batch) -> torch.Tensor:
         return logprobs.reference_logprobs(self, handle, batch)
 
+    @_gathered
     def token_logprobs(self, handle: TorchModel, batch, grad: bool = True, temperature: float = 1.0,
                        reference: bool = False, entropy: bool = False) -> tuple[torch.Tensor, np.ndarray | None]:
         return logprobs.token_logprobs(self, handle, batch, grad, temperature, reference, entropy)
 
+    @_gathered
     def sample(self, handle: TorchModel, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                sampling, seed: int) -> list[list[int]]:
         from .sampling import sample
 
         return sample(self, handle, prompts, max_new_tokens, stop_ids, sampling, seed)
 
+    @_gathered
     def sequence_scores(self, handle: TorchModel, batch, grad: bool = True) -> torch.Tensor:
         self._require_head(handle, "sequence_classification")
         return logprobs.sequence_scores(self, handle, batch, grad)
 
+    @_gathered
     def token_scores(self, handle: TorchModel, batch, grad: bool = True) -> torch.Tensor:
         self._require_head(handle, "token_classification")
         return logprobs.token_scores(self, handle, batch, grad)
@@ -369,6 +422,7 @@ class TorchBackend:
             raise MudpuppyError(f"this model was loaded with head {handle.head or 'causal_lm'!r}; "
                                 f"scores need load_model(..., head={head!r})")
 
+    @_gathered
     @torch.no_grad()
     def evaluate_loss(self, handle: TorchModel, batches) -> tuple[float, int]:
         handle.model.eval()
@@ -379,6 +433,7 @@ class TorchBackend:
             count += n
         return total, count
 
+    @_gathered
     @torch.no_grad()
     def logits(self, handle: TorchModel, batch) -> np.ndarray:
         handle.model.eval()
@@ -387,6 +442,7 @@ class TorchBackend:
             out = handle.model(**inputs).logits
         return out.float().cpu().numpy()
 
+    @_gathered
     @torch.no_grad()
     def generate(self, handle: TorchModel, prompts: list[list[int]], max_new_tokens: int,
                  stop_ids: list[int]) -> list[list[int]]:
@@ -413,16 +469,23 @@ class TorchBackend:
 
 
 class TorchTrainer:
-    """One optimizer over the trainable parameters; the pipeline passes the learning rate in."""
+    """One optimizer over the trainable parameters; the pipeline passes the learning rate in.
 
-    def __init__(self, backend: TorchBackend, handle: TorchModel, cfg, offload=None):
+    With an `engine` (distributed.py) this process is one rank of several: each micro-batch
+    runs through the engine, and the step is normalised by the loss units of all ranks."""
+
+    def __init__(self, backend: TorchBackend, handle: TorchModel, cfg, offload=None, engine=None):
         from .optimizers import build_optimizer
 
         self.backend, self.handle, self.cfg = backend, handle, cfg
         self.offload = offload          # memory.ActivationOffload, or None
+        self.engine = engine
         self.params = [p for p in handle.model.parameters() if p.requires_grad]
         if not self.params:
             raise MudpuppyError("nothing to train: the model has no trainable parameters")
+        if engine is not None and (cfg.optimizer != "adamw" and cfg.optimizer not in ("sgd", "adafactor")):
+            raise MudpuppyError(f"training.optimizer: {cfg.optimizer} keeps state torch.distributed.checkpoint "
+                                "cannot shard; distributed runs use adamw, sgd or adafactor")
         self.optimizer = build_optimizer(self.params, cfg, backend.plan)
         # fp16 gradients underflow to zero without a loss scale; bf16 and fp32 need none.
         self.scaler = None
@@ -445,29 +508,47 @@ class TorchTrainer:
         model = self.handle.model
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        engine, device = self.engine, self.backend.plan.device
         # Normalise by the count (loss tokens for SFT) of the whole step, so accumulation
-        # over micro-batches gives exactly the gradient of one large batch.
-        counts = [objective.count(b) for b in micro_batches]
-        loss_tokens = sum(counts)
+        # over micro-batches gives exactly the gradient of one large batch; in a distributed
+        # run the count of every rank's share, so N ranks give the gradient of one process.
+        counts = [0 if getattr(b, "placeholder", False) else objective.count(b) for b in micro_batches]
+        step_counts = [whole(c) for c in engine.all_sum(counts, device)] if engine else counts
+        loss_tokens = sum(step_counts)          # may be fractional (GRPO weighs sequences)
+        # Each engine averages gradients over the ranks; the sum over ranks is what one process computes.
+        scale = (engine.ranks.world if engine else 1) / max(loss_tokens, 1)
+        # A micro-batch with no loss units anywhere is skipped by every rank alike; the last one run
+        # synchronises the gradients.
+        runs = [i for i, n in enumerate(step_counts) if n > 0]
         total, sums, weights = 0.0, {}, {}
-        for batch, n in zip(micro_batches, counts):
-            if n == 0:
-                continue              # contributes neither loss nor gradient
-            with self.offload.saving() if self.offload else contextlib.nullcontext():
-                loss, metrics = objective(self.handle, batch)
-            scaled = loss / max(loss_tokens, 1)
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += float(loss.detach())
-            for key, value in metrics.items():      # a metric may be absent from some micro-batches
+        for i in runs:
+            batch, n = micro_batches[i], counts[i]
+            # A placeholder (a rank left without data at the end of an epoch) runs with weight zero.
+            weight = 0.0 if getattr(batch, "placeholder", False) else 1.0
+            with engine.micro_batch(sync=i == runs[-1]) if engine else contextlib.nullcontext():
+                loss, metrics = self._forward(objective, batch)
+                scaled = loss * (scale * weight)
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total += float(loss.detach()) * weight
+            for key, value in (metrics.items() if weight else ()):   # a metric may be absent from some micro-batches
                 sums[key] = sums.get(key, 0.0) + value * n
                 weights[key] = weights.get(key, 0) + n
-        metrics = {key: value / weights[key] for key, value in sums.items()}
-        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches)
+        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches if not getattr(b, "placeholder", False))
+        if engine:
+            # The union of the ranks' metric names: a rank may have seen none of a metric this step.
+            keys = sorted(set().union(*engine.ranks.gather(sorted(sums))))
+            reduced = engine.all_sum([total, tokens] + [sums.get(k, 0.0) for k in keys]
+                                     + [weights.get(k, 0) for k in keys], device)
+            total, tokens = reduced[0], int(reduced[1])
+            sums = dict(zip(keys, reduced[2 : 2 + len(keys)]))
+            weights = dict(zip(keys, reduced[2 + len(keys):]))
+        metrics = {key: value / weights[key] for key, value in sums.items() if weights[key]}
         mean = total / max(loss_tokens, 1)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip and report the true gradient norm
         clip = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        grad_norm = (engine.grad_norm(self.params, clip) if engine
+                     else float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
         if not (np.isfinite(mean) and np.isfinite(grad_norm)):
             if self.scaler:
                 self.scaler.update()  # an fp16 overflow: lower the scale and try the next step
@@ -482,16 +563,31 @@ class TorchTrainer:
             self.optimizer.step()
         return StepResult(mean, loss_tokens, tokens, grad_norm, metrics=metrics)
 
+    def _forward(self, objective, batch):
+        """One micro-batch's summed loss and metrics, through the engine's forward when there is one."""
+        def compute():
+            with self.offload.saving() if self.offload else contextlib.nullcontext():
+                return objective(self.handle, batch)
+
+        return self.engine.forward(compute) if self.engine else compute()
+
     def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        return {"optimizer": self.optimizer.state_dict(), **self.runtime_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_runtime_state(state)
+
+    def runtime_state(self) -> dict:
+        """What a checkpoint keeps besides weights and optimizer: RNG streams and the loss scale."""
+        state = {"torch_rng": torch.get_rng_state()}
         if self.backend.plan.device.type == "cuda":   # dropout on the GPU draws from its own generator
             state["cuda_rng"] = torch.cuda.get_rng_state(self.backend.plan.device)
         if self.scaler:
             state["loss_scaler"] = self.scaler.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_runtime_state(self, state: dict) -> None:
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.backend.plan.device)
@@ -524,6 +620,11 @@ def _quiet_if(quiet: bool):
         yield
     finally:
         hf_logging.set_verbosity(before)
+
+
+def whole(value: float) -> float | int:
+    """A count summed over ranks as a float, back to an int when it is one."""
+    return int(value) if float(value).is_integer() else value
 
 
 def _is_right_padded(mask: np.ndarray) -> bool:

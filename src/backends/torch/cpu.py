@@ -32,7 +32,7 @@ def probe() -> Availability:
 
 
 def create(availability: Availability, precision: str | None = None, devices=None, memory=None,
-           optimizer: str = "adamw", **_options) -> TorchBackend:
+           optimizer: str = "adamw", distributed=None, **_options) -> TorchBackend:
     if precision in ("fp16", "fp8"):
         # fp16 on a CPU trains without loss scaling and is slower than bf16; fp8 needs GPU kernels.
         raise MudpuppyError(f"training.precision: {precision} needs a GPU; on the cpu backend use bf16 or fp32 "
@@ -45,4 +45,4 @@ def create(availability: Availability, precision: str | None = None, devices=Non
     autocast = torch.bfloat16 if fast_bf16 else None
     note = "precision: bf16 autocast (native bf16 matmuls)" if fast_bf16 else "precision: fp32 (no native bf16 on this CPU)"
     return TorchBackend(DevicePlan("cpu", torch.device("cpu"), autocast, notes=[note], memory=memory, optimizer=optimizer,
-                                   precision="bf16" if fast_bf16 else "fp32"))
+                                   precision="bf16" if fast_bf16 else "fp32", distributed=distributed))

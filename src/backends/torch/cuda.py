@@ -92,7 +92,8 @@ def probe() -> Availability:
 
 
 def create(availability: Availability, devices: int | list[int] | None = None,
-           precision: str | None = None, memory=None, optimizer: str = "adamw", **_options) -> TorchBackend:
+           precision: str | None = None, memory=None, optimizer: str = "adamw", distributed=None,
+           **_options) -> TorchBackend:
     check_memory_options(KIND.name, memory, gpu=True)
     check_optimizer(KIND.name, optimizer)
-    return TorchBackend(plan_run(KIND, availability, devices, precision, memory, optimizer))
+    return TorchBackend(plan_run(KIND, availability, devices, precision, memory, optimizer, distributed))

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ...distributed import launched
 from ...errors import BackendUnavailable
 from ..protocol import Availability
 from .backend import DevicePlan
@@ -262,6 +263,25 @@ def select_device(gpus: list[Gpu], requested: int | list[int] | tuple[int, ...] 
     return index
 
 
+def select_rank_device(gpus: list[Gpu], requested) -> int:
+    """In a distributed run, local rank i trains on the i-th usable GPU (or the i-th of `devices`); an
+    integrated GPU the probe excluded never counts, so LOCAL_RANK maps onto usable GPUs only."""
+    from ...distributed import from_environment
+
+    ranks = from_environment()
+    usable = [g.index for g in gpus if g.usable]
+    chosen = usable if not requested else ([requested] if isinstance(requested, int) else list(requested))
+    listing = ", ".join(g.describe() for g in gpus)
+    bad = [i for i in chosen if not (isinstance(i, int) and 0 <= i < len(gpus) and gpus[i].usable)]
+    if bad:
+        raise BackendUnavailable(f"devices: {bad} are not usable GPUs. Visible: {listing}")
+    if ranks.local_world > len(chosen):
+        raise BackendUnavailable(
+            f"{ranks.local_world} processes on this node but {len(chosen)} usable GPU(s) ({listing}); start at most "
+            f"{len(chosen)} (--nproc / torchrun --nproc-per-node), one per GPU")
+    return chosen[ranks.local_rank]
+
+
 def visible_tokens(kind: GpuKind, count: int, environ: Mapping[str, str]) -> list[str]:
     """How the driver names torch's cuda:0..count-1, so a child process can be pointed at the same GPU.
 
@@ -429,10 +449,10 @@ def report_attention(device: torch.device, dtype: torch.dtype | None) -> str:
 # ---------------------------------------------------------------------- plan
 
 def plan_run(kind: GpuKind, availability: Availability, devices: int | list[int] | None = None,
-             precision: str | None = None, memory=None, optimizer: str = "adamw") -> DevicePlan:
+             precision: str | None = None, memory=None, optimizer: str = "adamw", distributed=None) -> DevicePlan:
     """Turn a successful probe and the user's options into the DevicePlan TorchBackend runs with."""
     gpus: list[Gpu] = availability.details["gpus"]
-    index = select_device(gpus, devices)
+    index = select_rank_device(gpus, devices) if launched() else select_device(gpus, devices)
     gpu = gpus[index]
     chosen = choose_precision(kind, gpu, precision)
     device = torch.device("cuda", index)
@@ -456,7 +476,7 @@ def plan_run(kind: GpuKind, availability: Availability, devices: int | list[int]
     return DevicePlan(
         kind.name, device, chosen.autocast, notes=notes, loss_scaling=chosen.loss_scaling,
         env=env, attention=attention, devices=[index], precision=chosen.name, fp8=chosen.name == "fp8",
-        memory=memory, optimizer=optimizer,
+        memory=memory, optimizer=optimizer, distributed=distributed,
     )
 
 

@@ -3,6 +3,10 @@
 Only parameters that train are saved (the LoRA matrices, or every weight in
 full fine-tuning), keyed by their exact parameter names, so loading is a
 strict, name-checked copy and resume continues bit for bit.
+
+A distributed run writes the same state sharded, with torch.distributed.checkpoint
+(distributed.py); a checkpoint of either kind loads here, so one written by N
+processes resumes in one process, or in M.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ...errors import MudpuppyError
 from ..state_check import check_state_fits
 
 WEIGHTS = "trainable.safetensors"
@@ -21,6 +26,13 @@ TRAINER = "trainer.pt"
 def save_training_state(backend, handle, trainer, path: str | Path) -> None:
     path = Path(path)
     model = handle.model
+    if trainer.engine is not None:
+        from .distributed import save_sharded
+
+        save_sharded(handle, trainer, path)
+        if hasattr(model, "peft_config"):
+            backend.save_adapter(handle, str(path))      # gathered; rank 0 writes
+        return
     tensors = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters() if p.requires_grad}
     save_file(tensors, str(path / WEIGHTS))
     torch.save(trainer.state_dict(), path / TRAINER)
@@ -30,7 +42,15 @@ def save_training_state(backend, handle, trainer, path: str | Path) -> None:
 
 
 def load_training_state(backend, handle, trainer, path: str | Path) -> None:
+    from .distributed import is_sharded, load_sharded
+
     path = Path(path)
+    if is_sharded(path):
+        load_sharded(handle, trainer, path)
+        return
+    if trainer.engine is not None and trainer.engine.strategy == "fsdp":
+        raise MudpuppyError(f"cannot resume {path} under fsdp: it was written by one process (not sharded); "
+                            "resume it in one process or under distributed.strategy: ddp")
     tensors = load_file(str(path / WEIGHTS))
     params = dict(handle.model.named_parameters())
     check_state_fits(path, [n for n, p in params.items() if p.requires_grad], tensors)
