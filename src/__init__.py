@@ -30,10 +30,11 @@ from .backends import create_backend, probe_all  # noqa: E402
 from .config import RunConfig, load_config  # noqa: E402
 from .errors import BackendUnavailable, ConfigError, DataError, ModelNotFound, MudpuppyError  # noqa: E402
 from .training import run  # noqa: E402
+from .training.curriculum import load_curriculum, run_curriculum  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "create_backend", "probe_all", "RunConfig", "load_config", "run",
+    "create_backend", "probe_all", "RunConfig", "load_config", "run", "load_curriculum", "run_curriculum",
     "MudpuppyError", "ConfigError", "DataError", "BackendUnavailable", "ModelNotFound",
 ]

@@ -114,6 +114,13 @@ def run(config_path, backend, overrides, overwrite, resume, nproc, debug):
     from .distributed import launched
     from .training import run as run_method
 
+    from .training.curriculum import is_curriculum
+
+    if is_curriculum(config_path):
+        if nproc and nproc > 1:
+            raise MudpuppyError("--nproc: a curriculum runs in one process for now")
+        _run_curriculum(config_path, list(overrides) + ([f"backend={backend}"] if backend else []), overwrite)
+        return
     overrides = list(overrides) + ([f"backend={backend}"] if backend else []) + (["resume=true"] if resume else [])
     cfg = load_config(config_path, overrides)
     if nproc and nproc > 1:
@@ -131,6 +138,16 @@ def run(config_path, backend, overrides, overwrite, resume, nproc, debug):
     say(_table(result))
     say(f"saved to {result.output_dir} ({result.steps} steps, {result.seconds:.0f} s, "
                f"{result.tokens_per_second:.0f} tokens/s while training)")
+
+
+def _run_curriculum(config_path, overrides: list[str], overwrite: bool) -> None:
+    """A config with `stages:`: each stage a run, resumed where it stopped when run again (--resume is implied)."""
+    from .training.curriculum import load_curriculum, run_curriculum
+
+    cur = load_curriculum(config_path, overrides)
+    click.echo(f"curriculum: {len(cur.stages)} stages -> {cur.output_dir}")
+    result = run_curriculum(cur, overwrite=overwrite, echo=click.echo)
+    click.echo(f"report: {result.output_dir / 'curriculum.md'} ({len(result.ran)} stages trained now)")
 
 
 def _launch(cfg, nproc: int) -> int:

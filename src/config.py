@@ -53,6 +53,9 @@ class AdapterConfig(_Strict):
         "int4", description="qlora: 4-bit format of the frozen base (int4 group-wise, or OCP MXFP4 blocks of 32)")
     quant_group_size: int | None = Field(
         64, gt=0, description="qlora int4: values per scale (even); null for one scale per row")
+    init_from: str | None = Field(
+        None, description="start from this adapter's weights (a PEFT or mlx-lm adapter directory of the same "
+                          "type, r and target modules) instead of a fresh initialisation; curricula set it per stage")
 
     @model_validator(mode="after")
     def _quant_options_fit(self):
@@ -436,6 +439,9 @@ def load_config(
             issues.append(Issue(f"--set {item}", str(exc)))
     if issues:
         raise ConfigError(origin, [str(i) for i in issues])
+    if "stages" in raw:
+        raise ConfigError(origin, ["stages: this file is a curriculum (several runs); run it with `mudpuppy run` "
+                                   "or load it with mudpuppy.load_curriculum (docs/curriculum.md)"])
     raw["source_dir"] = source_dir
     try:
         cfg = RunConfig.model_validate(raw)

@@ -77,14 +77,7 @@ def load_adapter(handle, path: str, trainable: bool = False) -> None:
             raise MudpuppyError(f"load_adapter {path}: {p} is [{out_dims} x {in_dims}] in this model but the "
                                 f"adapter expects [{mod.lora_b.array.shape[0]} x {mod.lora_a.array.shape[1]}]")
     wrap_linears(handle.model, sorted(adapter.modules), adapter.kind, adapter.r, adapter.scale, adapter.dropout)
-    weights = []
-    for p, mod in adapter.modules.items():
-        weights.append((f"{p}.lora_a", from_raw(mod.lora_a.transposed())))
-        weights.append((f"{p}.lora_b", from_raw(mod.lora_b.transposed())))
-        if mod.magnitude is not None:
-            weights.append((f"{p}.m", from_raw(mod.magnitude)))
-    weights += head_weights(handle, adapter, path)
-    handle.model.load_weights(weights, strict=False)
+    handle.model.load_weights(adapter_weights(handle, adapter, path), strict=False)
     if trainable and handle.head:
         handle.model[HEAD_NAME].unfreeze()  # the head trains in full, as after attach_adapter
     if not trainable:
@@ -94,6 +87,36 @@ def load_adapter(handle, path: str, trainable: bool = False) -> None:
                       "dropout": adapter.dropout, "targets": adapter.block_keys(), "peft_config": adapter.peft_config,
                       "quantization": adapter.extra.get("quantization")}
 
+
+
+def adapter_weights(handle, adapter: fmt.Adapter, path: str) -> list[tuple[str, mx.array]]:
+    """The adapter's matrices (and trained head) under the names the wrapped model uses."""
+    weights = []
+    for p, mod in adapter.modules.items():
+        weights.append((f"{p}.lora_a", from_raw(mod.lora_a.transposed())))
+        weights.append((f"{p}.lora_b", from_raw(mod.lora_b.transposed())))
+        if mod.magnitude is not None:
+            weights.append((f"{p}.m", from_raw(mod.magnitude)))
+    return weights + head_weights(handle, adapter, path)
+
+
+def start_from(handle, path: str) -> None:
+    """adapter.init_from: the attached (fresh) adapter takes the weights stored at `path`, which must be
+    an adapter of the same kind, rank and modules (a previous stage of a curriculum, on any backend)."""
+    adapter = fmt.read_adapter(path)
+    mine = handle.adapter
+    attached = set(adapter_layers(handle.model))
+    problems = []
+    if adapter.kind != mine["kind"] or adapter.r != mine["r"]:
+        problems.append(f"it is {adapter.kind} r={adapter.r}, this run attaches {mine['kind']} r={mine['r']}")
+    if set(adapter.modules) != attached:
+        problems.append(f"it adapts {len(adapter.modules)} modules, this run {len(attached)} "
+                        f"(e.g. {', '.join(sorted(set(adapter.modules) ^ attached)[:3])})")
+    if problems:
+        raise MudpuppyError(f"adapter.init_from {path}: {'; '.join(problems)}; use the same adapter settings as "
+                            "the run that wrote it")
+    handle.model.load_weights(adapter_weights(handle, adapter, path), strict=False)
+    mx.eval(handle.model.parameters())
 
 
 def head_weights(handle, adapter: fmt.Adapter, path: str) -> list[tuple[str, mx.array]]:

@@ -231,6 +231,8 @@ class TorchBackend:
                 handle.model = model = get_peft_model(model, config)
             if handle.autocast_dtype is not None and adapter_cfg.type != "qlora":
                 _store_frozen_linears_in(_unwrap(model), handle.autocast_dtype)
+            if adapter_cfg.init_from:
+                start_from(model, adapter_cfg.init_from)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # Frozen layers that keep their weight outside a parameter (4-bit, compact, streamed) count too.
         total = sum(p.numel() for p in model.parameters()) + sum(
@@ -620,6 +622,36 @@ def _quiet_if(quiet: bool):
         yield
     finally:
         hf_logging.set_verbosity(before)
+
+
+def start_from(model, path: str) -> None:
+    """adapter.init_from: the freshly attached adapter takes the weights stored at `path` (a PEFT adapter of
+    the same kind, rank and modules: a previous curriculum stage's, from any backend)."""
+    import json
+
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    where = Path(path)
+    if not (where / "adapter_model.safetensors").is_file():
+        hint = (" (an mlx-lm adapter: convert it with `mudpuppy convert-adapter DIR OUT --to peft`)"
+                if (where / "adapters.safetensors").is_file() else "")
+        raise MudpuppyError(f"adapter.init_from {path}: no PEFT adapter there (adapter_model.safetensors){hint}")
+    saved = json.loads((where / "adapter_config.json").read_text(encoding="utf-8"))
+    mine = model.peft_config["default"]
+    problems = []
+    if saved.get("r") != mine.r or bool(saved.get("use_dora")) != bool(mine.use_dora):
+        problems.append(f"it is {'dora' if saved.get('use_dora') else 'lora'} r={saved.get('r')}, this run attaches "
+                        f"{'dora' if mine.use_dora else 'lora'} r={mine.r}")
+    state = load_file(str(where / "adapter_model.safetensors"))
+    expected = set(get_peft_model_state_dict(model))
+    if set(state) != expected:
+        diff = sorted(set(state) ^ expected)
+        problems.append(f"{len(diff)} tensors differ between it and this run's adapter (e.g. {', '.join(diff[:2])})")
+    if problems:
+        raise MudpuppyError(f"adapter.init_from {path}: {'; '.join(problems)}; use the same adapter settings as "
+                            "the run that wrote it")
+    set_peft_model_state_dict(model, state)
 
 
 def whole(value: float) -> float | int:

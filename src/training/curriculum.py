@@ -1,0 +1,326 @@
+"""Curricula: several runs one after another, each carrying the adapter on, switching data, method and
+backend by config alone.
+
+A curriculum is a run config with a `stages:` list. The keys at the top are
+the defaults; each stage overrides some of them (its data above all: a
+topic), then runs as an ordinary run in `output_dir/stage-N-name/`:
+
+    model: {base_model: smollm2-135m-instruct}
+    adapter: {type: lora, r: 16, alpha: 32}
+    data: {sequence_len: 256}
+    training: {max_steps: 30, learning_rate: 5.0e-4}
+    preference: {type: orpo}
+    output_dir: outputs/curriculum
+    stages:
+      - name: lights
+        data: {datasets: [{path: lights.jsonl}]}
+      - name: voice
+        method: preference
+        backend: mlx
+        data: {datasets: [{path: voice_pairs.jsonl}]}
+
+Stage N+1 starts from stage N's adapter (`adapter.init_from`, PEFT format,
+which every backend reads, so torch -> mlx -> torch just works), or, in full
+fine-tuning, from stage N's saved model. Each stage is checked whole before
+anything trains, problems named by stage (`stages.1.backend: ...`). A
+finished stage is never run again; an interrupted one resumes from its
+newest checkpoint (or starts over when it had none). After every stage its
+held-out numbers join `curriculum.json` and `curriculum.md`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from ..config import (
+    ConfigError, Issue, RunConfig, _missing_files, _pydantic_issues, _read_yaml, apply_override,
+)
+from ..errors import MudpuppyError, OutputExists
+from . import outputs
+
+STATE = "curriculum.json"
+REPORT = "curriculum.md"
+# What a stage may change; the model and adapter carry through, the output directory is the curriculum's.
+STAGE_KEYS = {"name", "method", "backend", "devices", "data", "training", "eval", "preference", "grpo", "memory",
+              "logging", "merge", "merge_dtype"}
+CARRIED = {"model": "the model carries through the curriculum", "adapter": "the adapter carries through the curriculum",
+           "output_dir": "each stage writes to output_dir/stage-N-name", "stages": "stages do not nest",
+           "resume": "a curriculum resumes by itself (run it again)", "reward": "reward models are not stages"}
+# Method sections: kept for the stages whose method reads them, dropped for the others.
+SECTIONS = {"preference": {"preference"}, "grpo": {"grpo"}, "reward": {"rm", "prm"}}
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class Stage:
+    index: int                    # 1-based
+    name: str
+    cfg: RunConfig
+    dir: Path
+
+    @property
+    def label(self) -> str:
+        return f"stage-{self.index}-{self.name}"
+
+
+@dataclass
+class Curriculum:
+    origin: str
+    output_dir: Path
+    stages: list[Stage]
+
+
+@dataclass
+class CurriculumResult:
+    output_dir: Path
+    rows: list[dict] = field(default_factory=list)
+    ran: list[str] = field(default_factory=list)        # stages trained by this call (the others were done)
+
+
+def is_curriculum(source) -> bool:
+    raw = source if isinstance(source, dict) else _read_yaml(Path(source))
+    return isinstance(raw, dict) and "stages" in raw
+
+
+def load_curriculum(source, overrides: list[str] | tuple[str, ...] = (), check_files: bool = True) -> Curriculum:
+    """Read a curriculum (a YAML file or a dict), apply overrides, and check every stage whole."""
+    if isinstance(source, dict):
+        raw, origin, source_dir = copy.deepcopy(source), "<dict>", None
+    else:
+        origin, raw = str(source), _read_yaml(Path(source))
+        source_dir = str(Path(source).resolve().parent)
+    issues: list[Issue] = []
+    for item in overrides:
+        try:
+            apply_override(raw, item)
+        except ValueError as exc:
+            issues.append(Issue(f"--set {item}", str(exc)))
+    stages = raw.pop("stages", None)
+    if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
+        issues.append(Issue("stages", "expected a list of stages, each a mapping (at least one)"))
+    if "output_dir" not in raw:
+        issues.append(Issue("output_dir", "required key is missing (the curriculum's directory)"))
+    if issues:
+        raise ConfigError(origin, [str(i) for i in issues])
+    out = Path(raw["output_dir"])
+    built, names = [], set()
+    for i, stage in enumerate(stages):
+        where = f"stages.{i}"
+        name = str(stage.get("name", f"stage{i + 1}"))
+        if not NAME.match(name):
+            issues.append(Issue(f"{where}.name", f"{name!r}: letters, digits, '-', '_' and '.' only (it names a directory)"))
+        elif name in names:
+            issues.append(Issue(f"{where}.name", f"{name!r} names another stage too"))
+        names.add(name)
+        wrong = [k for k in stage if k not in STAGE_KEYS]
+        for key in wrong:
+            issues.append(Issue(f"{where}.{key}", CARRIED.get(key, "not a key a stage can set; a stage sets "
+                                                                   + ", ".join(sorted(STAGE_KEYS)))))
+        if wrong:
+            continue
+        merged = _merge(raw, {k: v for k, v in stage.items() if k != "name"})
+        method = merged.get("method", "sft")
+        if method in ("rm", "prm"):
+            issues.append(Issue(f"{where}.method", f"{method}: a reward model is a different model, not a stage of "
+                                                   "this one's training; train it in a run of its own"))
+            continue
+        for section, methods in SECTIONS.items():
+            if method not in methods:
+                merged.pop(section, None)
+        merged["output_dir"] = str(out / f"stage-{i + 1}-{name}")
+        merged["source_dir"] = source_dir
+        if i and built:
+            _carry(merged, built[-1])
+        try:
+            cfg = RunConfig.model_validate(merged)
+        except ValidationError as exc:
+            issues += [Issue(f"{where}.{i_.path}", i_.message) for i_ in _pydantic_issues(exc)]
+            continue
+        if check_files:
+            issues += [Issue(f"{where}.{i_.path}", i_.message) for i_ in _missing_files(cfg)]
+        built.append(Stage(i + 1, name, cfg, Path(cfg.output_dir)))
+    if issues:
+        raise ConfigError(origin, [str(i) for i in issues])
+    return Curriculum(origin, out, built)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`: mappings merge key by key, anything else (lists included) is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _carry(merged: dict, previous: Stage) -> None:
+    """Start this stage where the previous one ended: its adapter, or in full fine-tuning its model."""
+    adapter = merged.setdefault("adapter", {})
+    if adapter.get("type", "lora") == "none":
+        merged.setdefault("model", {})["base_model"] = str(previous.dir)
+    else:
+        adapter["init_from"] = str(previous.dir)
+
+
+# --------------------------------------------------------------------------- running
+def run_curriculum(cur: Curriculum, overwrite: bool = False, echo=print, backend_for=None) -> CurriculumResult:
+    """Run the stages not finished yet, in order. `backend_for(cfg)` makes each stage's backend
+    (default: create_backend from the stage's config, so a stage can switch runtimes)."""
+    from ..backends import create_backend
+    from ..distributed import launched
+    from . import run as run_one
+
+    if launched():
+        raise MudpuppyError("a curriculum runs in one process for now; start it without --nproc / torchrun")
+    out = _prepare(cur, overwrite)
+    backend_for = backend_for or (lambda cfg: create_backend(cfg.backend, **cfg.backend_options()))
+    result = CurriculumResult(out)
+    rows = _read_state(out).get("stages", [])
+    for stage in cur.stages:
+        done = stage.dir / outputs.SUMMARY
+        if done.is_file():
+            echo(f"== {stage.label}: finished earlier, skipped")
+            continue
+        from .checkpoints import newest_checkpoint
+
+        checkpoint = newest_checkpoint(stage.dir) if stage.dir.is_dir() else None
+        cfg = stage.cfg.model_copy(update={"resume": True}) if checkpoint else stage.cfg
+        backend = backend_for(cfg)
+        echo(f"== {stage.label}: {_describe(cfg)} on {backend.name}"
+             + (f", resuming from {checkpoint.name}" if checkpoint else ""))
+        # A stage that died before its first checkpoint starts over; its directory is one of ours.
+        run_one(cfg, backend, overwrite=checkpoint is None and stage.dir.exists(), echo=echo)
+        rows = sorted([r for r in rows if r["stage"] != stage.index] + [_row(stage, backend.name)],
+                      key=lambda r: r["stage"])
+        _write_state(out, cur, rows, finished=False)
+        result.ran.append(stage.label)
+    ran_on = {r["stage"]: r["backend"] for r in rows}
+    rows = [_row(stage, ran_on.get(stage.index, stage.cfg.backend)) for stage in cur.stages]
+    _write_state(out, cur, rows, finished=True)
+    result.rows = rows
+    echo(report_table(rows))
+    return result
+
+
+def _describe(cfg: RunConfig) -> str:
+    method = cfg.data_method() if cfg.method == "preference" else cfg.method
+    data = ", ".join(Path(d.path).name for d in cfg.data.datasets)
+    return f"{method}, {cfg.adapter.type}, data {data}"
+
+
+def _prepare(cur: Curriculum, overwrite: bool) -> Path:
+    out = cur.output_dir
+    state = out / STATE
+    if out.exists() and not out.is_dir():
+        raise OutputExists(f"output_dir {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        ours = state.is_file()
+        if overwrite:
+            if not ours:
+                raise OutputExists(f"output_dir {out} is not empty and holds no {STATE}; refusing to clear it even "
+                                   "with --overwrite")
+            shutil.rmtree(out)
+        elif not ours:
+            raise OutputExists(f"output_dir {out} already holds files that are not a curriculum; choose another "
+                               "output_dir")
+        elif _read_state(out).get("status") == "finished":
+            raise OutputExists(f"output_dir {out} holds a finished curriculum; pass --overwrite to run it again "
+                               "from the start, or choose another output_dir")
+        else:
+            stored = _read_state(out).get("stages_planned")
+            planned = [s.label for s in cur.stages]
+            if stored and stored != planned:
+                raise OutputExists(f"output_dir {out} holds an unfinished curriculum with other stages ({stored}); "
+                                   f"this one has {planned}; use another output_dir or --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    if not state.is_file():
+        _write_state(out, cur, [], finished=False)
+    return out
+
+
+def _read_state(out: Path) -> dict:
+    try:
+        return json.loads((out / STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _row(stage: Stage, backend: str) -> dict:
+    """One stage's line of the report: what it ran, where, and its held-out numbers before and after."""
+    summary = json.loads((stage.dir / outputs.SUMMARY).read_text(encoding="utf-8"))
+    return {"stage": stage.index, "name": stage.name, "method": _describe(stage.cfg).split(",")[0],
+            "backend": backend, "steps": summary.get("steps"), "final_loss": summary.get("final_loss"),
+            "seconds": summary.get("seconds"), "dir": str(stage.dir),
+            "before": _numbers(summary.get("eval_before")), "after": _numbers(summary.get("eval_after"))}
+
+
+def _numbers(evaluation: dict | None) -> dict:
+    """A stage's held-out numbers by name: loss, then the method's metrics (named once: an accuracy that is
+    also one of the metrics appears under the metric's name)."""
+    out = {}
+    for key, value in (evaluation or {}).items():
+        if isinstance(value, dict):
+            out.update({k: v for k, v in value.items() if _is_number(v)})
+        elif _is_number(value) and key not in ("samples", "accuracy"):
+            out[key] = value
+    accuracy, name = (evaluation or {}).get("accuracy"), (evaluation or {}).get("accuracy_name")
+    if _is_number(accuracy) and name and name not in out:
+        out[name] = accuracy
+    return out
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _write_state(out: Path, cur: Curriculum, rows: list[dict], finished: bool) -> None:
+    state = {"status": "finished" if finished else "running", "config": cur.origin,
+             "stages_planned": [s.label for s in cur.stages], "stages": rows}
+    outputs.write_json_atomic(out / STATE, state)
+    tmp = out / (REPORT + ".tmp")
+    tmp.write_text(report_markdown(rows), encoding="utf-8")
+    os.replace(tmp, out / REPORT)
+
+
+def _metric_names(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(k for r in rows for k in r["after"]))
+
+
+def report_markdown(rows: list[dict]) -> str:
+    names = _metric_names(rows)
+    head = ["stage", "name", "method", "backend", "steps", *names]
+    lines = ["# Curriculum", "", "Held-out numbers after each stage, on the stage's own held-out set "
+             "(before -> after the stage's training).", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["stage"]), r["name"], r["method"], r["backend"], str(r["steps"])]
+        cells += [f"{_fmt(r['before'].get(n))} -> {_fmt(r['after'].get(n))}" if n in r["before"]
+                  else _fmt(r["after"].get(n)) for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report_table(rows: list[dict]) -> str:
+    names = _metric_names(rows)
+    head = ["stage", "name", "method", "backend", *names]
+    body = [[str(r["stage"]), r["name"], r["method"], r["backend"], *[_fmt(r["after"].get(n)) for n in names]]
+            for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in [head, *body]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
