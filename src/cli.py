@@ -266,6 +266,66 @@ def score(config_path, data_path, backend, overrides, debug):
     click.echo(scored.summary, err=True)
 
 
+@main.command("eval")
+@click.argument("targets", nargs=-1, required=True, metavar="TARGET [TARGET ...]")
+@click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False),
+              help="JSONL/JSON/CSV/Parquet records: chat, text, instruction or completion (perplexity, "
+                   "generation metrics), or preference pairs (preference).")
+@click.option("--metrics", default=None, metavar="LIST",
+              help="Comma-separated: perplexity, exact_match, contains, regex, preference "
+                   "(default: perplexity,exact_match for conversations, perplexity for text, preference for pairs).")
+@click.option("--backend", "-b", default=None, help="auto, cpu, cuda, rocm or mlx (default: the first run's).")
+@click.option("--base", "with_base", is_flag=True, help="Add the base model (adapter off) as a column.")
+@click.option("--base-model", default=None, help="Base model for adapter directories (default: their "
+                                                 "adapter_config.json's base_model_name_or_path).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Where eval.json, eval.md and the charts go (default: <first target>/eval for a run, "
+                   "else ./eval-<timestamp>).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing eval.json in --out.")
+@click.option("--max-samples", type=click.IntRange(min=1), default=None, help="Use the first N records.")
+@click.option("--regex", default=None, metavar="PATTERN",
+              help="regex metric: its first group (or the whole match) must equal the reference.")
+@click.option("--normalize", default="strip,casefold", show_default=True, metavar="LIST",
+              help="Before comparing answers: strip (trim, collapse whitespace), casefold, both, or none.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help="Generation length (default: the first run's eval.max_new_tokens, else 32).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Sequences per forward pass (default: the first run's eval.batch_size, else 16).")
+@click.option("--precision", type=click.Choice(["fp32", "auto", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="Compute precision; auto: the device's (bf16 autocast where native).")
+@click.option("--beta", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Implicit-reward scale for the reward margin (default: the run's preference.beta, else 0.1).")
+@click.option("--chat-template", default=None,
+              help="For adapters and models without a run config: a built-in template name or Jinja "
+                   "(default: the tokenizer's own). A run always uses its own.")
+@debug_option
+@_handle_errors
+def evaluate(targets, data_path, metrics, backend, with_base, base_model, out_dir, overwrite, max_samples, regex,
+             normalize, max_new_tokens, batch_size, precision, beta, chat_template, debug):
+    """Measure runs, adapters or models on a data file, side by side (docs/eval.md).
+
+    TARGET is a run directory, an adapter directory, a merged or plain model
+    directory, a .gguf file or a model alias.
+    """
+    from .evaluation.metrics import parse_metrics
+    from .evaluation.suite import EvalOptions, run_eval
+
+    strip, casefold = _normalize_flags(normalize)
+    options = EvalOptions(parse_metrics(metrics) if metrics else None, max_samples, regex, strip, casefold,
+                          max_new_tokens, batch_size, beta, precision)
+    run_eval(list(targets), data_path, options, backend=backend, base=with_base, base_model=base_model,
+             chat_template=chat_template, out=out_dir, overwrite=overwrite, echo=click.echo)
+
+
+def _normalize_flags(text: str) -> tuple[bool, bool]:
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    if names == {"none"}:
+        return False, False
+    if not names or names - {"strip", "casefold"}:
+        raise MudpuppyError(f"--normalize {text!r}: use strip, casefold, strip,casefold or none")
+    return "strip" in names, "casefold" in names
+
+
 @main.command()
 @debug_option
 @_handle_errors

@@ -78,8 +78,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture()
 def tiny_config(tiny_model_dir, tmp_path):
     """A config dict for a short LoRA SFT run of the tiny model on the quickstart data."""
+    return tiny_run_config(tiny_model_dir, tmp_path / "run")
+
+
+def tiny_run_config(model_dir: Path, output_dir: Path) -> dict:
+    """The tiny_config dict, for fixtures of a wider scope than one test."""
     return {
-        "model": {"base_model": str(tiny_model_dir)},
+        "model": {"base_model": str(model_dir)},
         "backend": "cpu",
         "method": "sft",
         "adapter": {"type": "lora", "r": 4, "alpha": 8, "target_modules": "all-linear"},
@@ -91,6 +96,6 @@ def tiny_config(tiny_model_dir, tmp_path):
         "training": {"max_steps": 6, "micro_batch_size": 4, "learning_rate": 5e-3, "precision": "fp32",
                      "warmup_steps": 1, "seed": 3},
         "eval": {"exact_match": True, "max_new_tokens": 4, "batch_size": 8},
-        "output_dir": str(tmp_path / "run"),
+        "output_dir": str(output_dir),
         "logging": {"progress_bar": False},
     }

@@ -44,29 +44,42 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def normalize_answer(text: str) -> str:
-    return " ".join(text.strip().split()).lower()
+def normalize_answer(text: str, strip: bool = True, casefold: bool = True) -> str:
+    """`strip`: ends trimmed and runs of whitespace made one space; `casefold`: case ignored."""
+    if strip:
+        text = " ".join(text.split())
+    return text.casefold() if casefold else text
 
 
-def exact_match(backend, handle, records: list[dict], max_new_tokens: int, batch_size: int) -> tuple[float, list[dict]]:
-    """Share of chat records whose greedy answer equals the reference (whitespace and case folded)."""
+def generate_answers(backend, handle, records: list[dict], max_new_tokens: int,
+                     batch_size: int) -> list[tuple[str, str]]:
+    """(reference, greedy answer) for each chat record, in record order. The prompt is the
+    conversation up to its last assistant turn, rendered with the tokenizer's chat template;
+    that turn's text is the reference."""
     tok = handle.tokenizer
     stop = stop_token_ids(tok)
     pairs = [generation_prompt(tok, r["messages"]) for r in records]
-    hits, shown = 0, []
+    answers = [""] * len(pairs)
     # Shortest prompts together: less left-padding per generation batch.
     order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         outputs = backend.generate(handle, [pairs[i][0] for i in idx], max_new_tokens, stop)
         for i, out in zip(idx, outputs):
-            pred = tok.decode(out, skip_special_tokens=True)
-            ref = pairs[i][1]
-            ok = normalize_answer(pred) == normalize_answer(ref)
-            hits += ok
-            if len(shown) < 5:
-                shown.append({"reference": ref, "prediction": pred, "match": bool(ok)})
-    return hits / max(len(pairs), 1), shown
+            answers[i] = tok.decode(out, skip_special_tokens=True)
+    return [(ref, answer) for (_, ref), answer in zip(pairs, answers)]
+
+
+def exact_match(backend, handle, records: list[dict], max_new_tokens: int, batch_size: int) -> tuple[float, list[dict]]:
+    """Share of chat records whose greedy answer equals the reference (whitespace and case folded)."""
+    answers = generate_answers(backend, handle, records, max_new_tokens, batch_size)
+    hits, shown = 0, []
+    for ref, pred in answers:
+        ok = normalize_answer(pred) == normalize_answer(ref)
+        hits += ok
+        if len(shown) < 5:
+            shown.append({"reference": ref, "prediction": pred, "match": bool(ok)})
+    return hits / max(len(answers), 1), shown
 
 
 def evaluate(backend, handle, data, eval_cfg) -> EvalResult:

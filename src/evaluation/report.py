@@ -1,0 +1,180 @@
+"""What `mudpuppy eval` leaves behind: the terminal table, eval.json, eval.md and a bar chart per row.
+
+eval.json is written last: a directory holding it holds a finished evaluation, which is never
+replaced without --overwrite. The charts need matplotlib (`pip install 'mudpuppy[plot]'`); without
+it they are skipped with one line, and everything else is written.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import OutputExists
+from .metrics import Row
+
+EVAL_JSON = "eval.json"
+EVAL_MD = "eval.md"
+
+
+def prepare_out_dir(out: str | None, columns, overwrite: bool) -> Path:
+    """--out, else <first target>/eval for a run, else ./eval-<timestamp>; refused when it already holds
+    an evaluation and --overwrite is not given. Checked before any model loads."""
+    if out:
+        path = Path(out).expanduser()
+    elif columns[0].kind == "run":
+        path = Path(columns[0].target).expanduser() / "eval"
+    else:
+        path = Path(f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    if path.exists() and not path.is_dir():
+        raise OutputExists(f"--out {path}: a file, not a directory")
+    if (path / EVAL_JSON).exists() and not overwrite:
+        raise OutputExists(f"{path / EVAL_JSON} already holds an evaluation; pass --overwrite to replace it, "
+                           "or --out DIR to write this one elsewhere")
+    return path
+
+
+# --------------------------------------------------------------------------- the table
+
+def format_value(row: Row, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if row.style == "percent":
+        return f"{value:.1%}"
+    if row.style == "signed":
+        return f"{value:+.4f}"
+    return f"{value:.4f}" if value < 1000 else f"{value:.4g}"
+
+
+def table_cells(report) -> list[list[str]]:
+    header = [""] + [m.name for m in report.models]
+    return [header] + [[row.label] + [format_value(row, m.values.get(row.key)) for m in report.models]
+                       for row in report.rows]
+
+
+def format_table(report) -> str:
+    cells = table_cells(report)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def markdown_table(report) -> str:
+    cells = table_cells(report)
+    head = "| " + " | ".join(cells[0]) + " |"
+    rule = "| --- |" + " ---: |" * (len(cells[0]) - 1)
+    return "\n".join([head, rule] + ["| " + " | ".join(r) + " |" for r in cells[1:]])
+
+
+# --------------------------------------------------------------------------- files
+
+def write_report(report, out: Path, echo=print) -> list[str]:
+    """Charts, eval.md, then eval.json; returns the chart file names."""
+    from ..training.outputs import write_json_atomic     # (training imports evaluation: import when used)
+
+    out.mkdir(parents=True, exist_ok=True)
+    remove_old_charts(out)
+    charts = write_charts(report, out)
+    if charts is None:
+        echo("charts: matplotlib is not installed, so no PNG charts (pip install 'mudpuppy[plot]')")
+        charts = []
+    (out / EVAL_MD).write_text(markdown(report, charts), encoding="utf-8")
+    write_json_atomic(out / EVAL_JSON, as_json(report, charts))
+    echo(f"\n{format_table(report)}\n")
+    made = f", eval.md and {len(charts)} chart{'s' if len(charts) != 1 else ''}" if charts else " and eval.md"
+    echo(f"saved eval.json{made} to {out}")
+    return charts
+
+
+def remove_old_charts(out: Path) -> None:
+    """--overwrite: the charts the earlier evaluation listed go too (never any other file)."""
+    try:
+        old = json.loads((out / EVAL_JSON).read_text(encoding="utf-8")).get("charts", [])
+    except (OSError, ValueError, AttributeError):
+        return
+    for name in old:
+        if isinstance(name, str) and "/" not in name and "\\" not in name and name.endswith(".png"):
+            (out / name).unlink(missing_ok=True)
+
+
+def as_json(report, charts: list[str]) -> dict:
+    opts = report.options
+    return {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "data": {"path": report.data, "format": report.format, "records": report.records},
+        "metrics": report.metrics,
+        "backend": report.backend, "device": report.device,
+        "options": {"precision": opts.precision, "max_samples": opts.max_samples, "batch_size": opts.batch_size,
+                    "max_new_tokens": opts.max_new_tokens, "normalize": normalize_names(opts),
+                    "regex": opts.regex, "beta": opts.beta},
+        "rows": [asdict(row) for row in report.rows],
+        "models": [{"name": m.name, "target": m.target, "kind": m.kind, "description": m.description,
+                    "values": m.values, "details": m.details, "answers": m.answers, "misses": m.misses,
+                    "seconds": round(m.seconds, 2)}
+                   for m in report.models],
+        "charts": charts,
+    }
+
+
+def normalize_names(opts) -> list[str]:
+    return [name for name, on in (("strip", opts.strip), ("casefold", opts.casefold)) if on]
+
+
+def markdown(report, charts: list[str]) -> str:
+    opts = report.options
+    lines = [f"# Evaluation on {report.data}", "",
+             f"{report.records} {report.format} records; backend {report.backend}"
+             + (f" ({report.device})" if str(report.device) != report.backend else "")
+             + f", precision {opts.precision}.", "", markdown_table(report), ""]
+    lines += [f"- **{m.name}**: {m.description} ({m.details.get('examples', 0)} examples, {m.seconds:.0f} s)"
+              for m in report.models]
+    if any(row.key in ("exact_match", "contains", "regex") for row in report.rows):
+        lines += ["", f"Answers: greedy, at most {opts.max_new_tokens} new tokens; compared after "
+                      f"{' and '.join(normalize_names(opts)) or 'no'} normalisation"
+                      + (f"; regex `{opts.regex}`" if opts.regex else "") + "."]
+    lines += [""] + [f"![{name}]({name})" for name in charts]
+    missed = [m for m in report.models if m.misses]
+    if missed:
+        lines += ["", "## Missed answers (the first few per model)", "", "| model | reference | answer |",
+                  "| --- | --- | --- |"]
+        lines += [f"| {m.name} | {cell(row['reference'])} | {cell(row['answer'])} |"
+                  for m in missed for row in m.misses]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def cell(text: str) -> str:
+    """Text inside a Markdown table cell: one line, pipes escaped, code-quoted so markup shows as written."""
+    flat = " ".join(text.split()).replace("|", "\\|").replace("`", "'")
+    return f"`{flat}`" if flat else "(empty)"
+
+
+def write_charts(report, out: Path) -> list[str] | None:
+    """One bar chart per table row, the models side by side; None when matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure     # no pyplot: no GUI backend, no global state
+    except ImportError:
+        return None
+    names = [m.name for m in report.models]
+    written = []
+    for row in report.rows:
+        values = [m.values.get(row.key) for m in report.models]
+        fig = Figure(figsize=(max(4.0, 1.3 * len(names) + 1.5), 3.2), layout="constrained")
+        ax = fig.add_subplot()
+        bars = ax.bar(names, [v if v is not None else 0.0 for v in values], color="#4c72b0")
+        ax.bar_label(bars, labels=[format_value(row, v) for v in values], padding=2, fontsize=9)
+        better = "higher" if row.higher_is_better else "lower"
+        ax.set_title(f"{row.label} ({better} is better)", fontsize=10)
+        if row.style == "percent":
+            ax.set_ylim(0, 1.12)
+            ax.yaxis.set_major_formatter(lambda y, _: f"{y:.0%}")
+        else:
+            ax.margins(y=0.15)
+        ax.spines[["top", "right"]].set_visible(False)
+        name = f"{row.key}.png"
+        fig.savefig(out / name, dpi=120)
+        written.append(name)
+    return written

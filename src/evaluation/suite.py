@@ -1,0 +1,226 @@
+"""`mudpuppy eval`: measure runs, adapters and models on one data file, side by side.
+
+Setup, then one model at a time, then the report:
+
+    targets resolved (targets.py), the data read and checked against the metrics,
+    the output directory checked                                     before any model loads
+    per column: load (adapter on, or off for --base), tokenize the data with that column's
+    chat template and masks, measure every metric (metrics.py), free the model
+    the table, eval.json, eval.md and the charts (report.py)
+
+Everything runs through the backend protocol, so cpu, cuda, rocm and mlx measure alike.
+`measure` also serves a model that is already loaded (a curriculum stage, a notebook).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..data.prepare import DataReport, LoadedDataset, fit_length, load_dataset, tokenize_dataset
+from ..data.templates import BUILTIN_TEMPLATES, apply_chat_template_choice, is_jinja
+from ..errors import DataError, MudpuppyError
+from .heldout import generate_answers
+from .metrics import (
+    GENERATION, Row, Scoring, check_metrics, default_metrics, generation_scores, perplexity, preference_scores,
+    rows_for,
+)
+from .targets import Column, resolve_targets, with_bases
+
+
+@dataclass
+class EvalOptions:
+    """What to measure and how; None means "from the first run's config, else the default"."""
+
+    metrics: list[str] | None = None      # None: what the data format supports
+    max_samples: int | None = None        # the first N records of the data file
+    regex: str | None = None
+    strip: bool = True
+    casefold: bool = True
+    max_new_tokens: int | None = None     # run's eval.max_new_tokens, else 32
+    batch_size: int | None = None         # run's eval.batch_size, else 16
+    beta: float | None = None             # run's preference.beta (dpo, ipo, kto), else 0.1
+    precision: str = "fp32"
+
+    def resolved(self, columns: list[Column]) -> EvalOptions:
+        runs = [c.cfg for c in columns if c.kind == "run"]
+        first = runs[0] if runs else None
+        pref = next((c.preference for c in runs if c.preference is not None and c.preference.needs_reference), None)
+        return EvalOptions(
+            self.metrics, self.max_samples, self.regex, self.strip, self.casefold,
+            self.max_new_tokens or (first.eval.max_new_tokens if first else 32),
+            self.batch_size or (first.eval.batch_size if first else 16),
+            self.beta if self.beta is not None else (pref.beta if pref else 0.1), self.precision)
+
+    @property
+    def scoring(self) -> Scoring:
+        return Scoring(self.strip, self.casefold, self.regex)
+
+
+@dataclass
+class ModelResult:
+    name: str
+    target: str
+    kind: str
+    description: str
+    values: dict[str, float | None]          # row key -> value
+    details: dict = field(default_factory=dict)     # nll, tokens, examples, pairs, ...
+    answers: list[dict] = field(default_factory=list)   # the first few generations
+    misses: list[dict] = field(default_factory=list)    # the first few that missed a metric
+    seconds: float = 0.0
+
+
+@dataclass
+class EvalReport:
+    data: str                 # the data file, as shown
+    format: str
+    records: int
+    metrics: list[str]
+    rows: list[Row]
+    models: list[ModelResult]
+    backend: str
+    device: str
+    options: EvalOptions
+
+
+def check_chat_template(value: str | None) -> None:
+    if value is None or value == "tokenizer" or value in BUILTIN_TEMPLATES or is_jinja(value):
+        return
+    raise MudpuppyError(f"--chat-template {value!r}: use 'tokenizer', a built-in template "
+                        f"({', '.join(BUILTIN_TEMPLATES)}) or a Jinja template")
+
+
+def read_data(col: Column, path: Path, max_samples: int | None) -> LoadedDataset:
+    """The data file's records, read with the column's dataset options (field_map, roles_to_train,
+    train_on_eos, system_prompt...: those of the run's held-out set, else its training set)."""
+    like = (col.cfg.data.val_datasets or col.cfg.data.datasets)[0]
+    spec = like.model_copy(update={"path": str(path.resolve()), "type": "auto", "split": "train",
+                                   "subset": None, "num_samples": max_samples, "weight": None})
+    return load_dataset(col.cfg, spec)
+
+
+def plan(targets: list[str], data: str, options: EvalOptions, base: bool = False, base_model: str | None = None,
+         chat_template: str | None = None) -> tuple[list[Column], list[LoadedDataset], EvalOptions]:
+    """Columns, each one's records, and the options resolved: every user mistake found here, cheaply."""
+    check_chat_template(chat_template)
+    columns = resolve_targets(targets, base_model, chat_template)
+    if base:
+        columns = with_bases(columns)
+    path = Path(data).expanduser()
+    if not path.is_file():
+        what = "is a directory, not a data file" if path.is_dir() else "file not found"
+        raise DataError(data, None, f"--data {what} (looked at {path.resolve()})")
+    datasets = [read_data(col, path, options.max_samples) for col in columns]
+    options = options.resolved(columns)
+    fmt, name = datasets[0].format, datasets[0].name
+    metrics = options.metrics or default_metrics(fmt, options.regex)
+    if not metrics:
+        raise DataError(name, None, f"{fmt} records: no eval metric reads them; perplexity and the generation "
+                                    "metrics read chat, text, instruction or completion data, preference reads "
+                                    "{prompt, chosen, rejected} pairs")
+    if options.regex and "regex" not in metrics:
+        metrics = metrics + ["regex"]
+    for ds in datasets:
+        check_metrics(metrics, ds.format, ds.name, options.regex)
+    options.metrics = metrics
+    return columns, datasets, options
+
+
+def evaluate_columns(backend, columns: list[Column], datasets: list[LoadedDataset], options: EvalOptions,
+                     echo=print) -> EvalReport:
+    results = []
+    for i, (col, ds) in enumerate(zip(columns, datasets), start=1):
+        started = time.perf_counter()
+        echo(f"[{i}/{len(columns)}] {col.name} ({col.describe()})")
+        handle = col.load(backend, options.precision)
+        result = measure(backend, handle, col, ds, options)
+        del handle
+        gc.collect()            # one model in memory at a time
+        result.seconds = time.perf_counter() - started
+        echo(f"      {summary_line(result, rows_for(options.metrics))} ({result.seconds:.0f} s)")
+        results.append(result)
+    return EvalReport(datasets[0].name, datasets[0].format, len(datasets[0].records), options.metrics,
+                      rows_for(options.metrics), results, backend.name, getattr(backend, "device", ""), options)
+
+
+def measure(backend, handle, col: Column, ds: LoadedDataset, options: EvalOptions) -> ModelResult:
+    """Every metric of `options` for one loaded model, the data tokenized with `col.cfg`'s settings.
+    Options left at None are filled in as `plan` fills them (metrics: what the data supports)."""
+    options = options.resolved([col])
+    metrics = options.metrics or default_metrics(ds.format, options.regex)
+    check_metrics(metrics, ds.format, ds.name, options.regex)
+    examples, records = tokenize_for(handle.tokenizer, col, ds)
+    values: dict[str, float | None] = {}
+    details: dict = {"examples": len(examples)}
+    answers: list[dict] = []
+    misses: list[dict] = []
+    if "perplexity" in metrics:
+        measured = perplexity(backend, handle, examples, options.batch_size)
+        values["perplexity"] = measured.pop("perplexity")
+        details.update(measured)
+    if any(m in metrics for m in GENERATION):
+        check_conversations(examples, records, ds, metrics)
+        pairs = generate_answers(backend, handle, records, options.max_new_tokens, options.batch_size)
+        scores, answers, misses = generation_scores(pairs, metrics, options.scoring)
+        values.update(scores)
+    if "preference" in metrics:
+        measured = preference_scores(backend, handle, examples, options.batch_size, options.beta, col.has_adapter)
+        if col.kind == "base":
+            measured["reward_margin"] = 0.0     # the base is its own reference: no margin, by definition
+        values["preference_accuracy"] = measured.pop("preference_accuracy")
+        values["reward_margin"] = measured.pop("reward_margin")
+        details.update(measured)
+    return ModelResult(col.name, col.target, col.kind, col.describe(), values, details, answers, misses)
+
+
+def tokenize_for(tokenizer, col: Column, ds: LoadedDataset) -> tuple[list, list[dict]]:
+    """Tokens and masks exactly as the column's run would make them for training."""
+    template = apply_chat_template_choice(tokenizer, col.cfg.data.chat_template)
+    examples, records = tokenize_dataset(ds, tokenizer, template is not None)
+    data = col.cfg.data
+    examples, records = fit_length(examples, records, data.sequence_len, data.truncation, DataReport())
+    if not examples:
+        raise DataError(ds.name, None, f"no record has a loss-carrying token within data.sequence_len "
+                                       f"({data.sequence_len}) of {col.name}'s settings")
+    return examples, records
+
+
+def check_conversations(examples: list, records: list[dict], ds: LoadedDataset, metrics: list[str]) -> None:
+    """Generation answers a conversation's last assistant turn; every record must have one."""
+    wanted = ", ".join(m for m in metrics if m in GENERATION)
+    for ex, rec in zip(examples, records):
+        messages = rec.get("messages")
+        if not messages:
+            raise DataError(ds.name, None, f"{wanted}: {ex.source} is {ds.format} data rendered without a chat "
+                                           "template, so there is no conversation to answer; give the tokenizer a "
+                                           "chat template (--chat-template, or data.chat_template in the run)")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(ds.name, None, f"{wanted}: {ex.source} has no assistant turn to compare an answer with")
+
+
+def summary_line(result: ModelResult, rows: list[Row]) -> str:
+    from .report import format_value
+
+    parts = [f"{row.label} {format_value(row, result.values.get(row.key))}" for row in rows]
+    return ", ".join(parts) + f"; {result.details.get('examples', 0)} examples"
+
+
+def run_eval(targets: list[str], data: str, options: EvalOptions | None = None, *, backend: str | None = None,
+             base: bool = False, base_model: str | None = None, chat_template: str | None = None,
+             out: str | None = None, overwrite: bool = False, echo=print) -> tuple[EvalReport, Path]:
+    """The whole `mudpuppy eval`: check, measure, write; returns the report and where it was written."""
+    from ..backends import create_backend
+    from .report import prepare_out_dir, write_report
+
+    columns, datasets, options = plan(targets, data, options or EvalOptions(), base, base_model, chat_template)
+    out_dir = prepare_out_dir(out, columns, overwrite)
+    name = backend or next((c.cfg.backend for c in columns if c.kind == "run"), "auto")
+    impl = create_backend(name)
+    echo(f"backend: {impl.name} on {impl.device}; precision {options.precision}")
+    echo(f"data: {datasets[0].name} ({datasets[0].format}, {len(datasets[0].records)} records); "
+         f"metrics: {', '.join(options.metrics)}")
+    report = evaluate_columns(impl, columns, datasets, options, echo)
+    write_report(report, out_dir, echo)
+    return report, out_dir
