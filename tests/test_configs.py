@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from mudpuppy.config import load_config
+from mudpuppy.training.curriculum import is_curriculum, load_curriculum
 
 from .conftest import REPO
 
@@ -20,8 +21,10 @@ def test_there_is_a_config_per_sft_variant():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_validates_and_says_how_to_run_it(path: Path):
-    cfg = load_config(path)                      # data files must exist: check_files is on
+    # Data files must exist: check_files is on. A curriculum is checked stage by stage.
+    cfgs = [s.cfg for s in load_curriculum(path).stages] if is_curriculum(path) else [load_config(path)]
     first = path.read_text().splitlines()[0]
     assert first.startswith("# mudpuppy ") and f"configs/{path.name}" in first
-    for spec in cfg.data.datasets + cfg.data.val_datasets:
-        assert cfg.resolve_path(spec.path).is_relative_to(REPO / "configs")
+    for cfg in cfgs:
+        for spec in cfg.data.datasets + cfg.data.val_datasets:
+            assert cfg.resolve_path(spec.path).is_relative_to(REPO / "configs")

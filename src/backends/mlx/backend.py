@@ -126,7 +126,7 @@ class MlxBackend:
                               "rslora": adapter_cfg.rslora, "dropout": adapter_cfg.dropout, "targets": leaves,
                               "quantization": quantization}
             info_targets = leaves
-            if adapter_cfg.init_from:
+            if getattr(adapter_cfg, "init_from", None):
                 adapter_io.start_from(handle, adapter_cfg.init_from)
         mx.eval(model.parameters())
         return AdapterInfo(kind, count_parameters(model, trainable=True), count_parameters(model), info_targets)

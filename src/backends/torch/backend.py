@@ -231,7 +231,7 @@ class TorchBackend:
                 handle.model = model = get_peft_model(model, config)
             if handle.autocast_dtype is not None and adapter_cfg.type != "qlora":
                 _store_frozen_linears_in(_unwrap(model), handle.autocast_dtype)
-            if adapter_cfg.init_from:
+            if getattr(adapter_cfg, "init_from", None):
                 start_from(model, adapter_cfg.init_from)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # Frozen layers that keep their weight outside a parameter (4-bit, compact, streamed) count too.
