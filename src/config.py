@@ -425,18 +425,7 @@ def load_config(
 
     Raises `ConfigError` listing every problem found, each with its path.
     """
-    if isinstance(source, dict):
-        raw, origin, source_dir = copy.deepcopy(source), "<dict>", None
-    else:
-        origin = str(source)
-        raw = _read_yaml(Path(source))
-        source_dir = str(Path(source).resolve().parent)
-    issues: list[Issue] = []
-    for item in overrides:
-        try:
-            apply_override(raw, item)
-        except ValueError as exc:
-            issues.append(Issue(f"--set {item}", str(exc)))
+    raw, origin, source_dir, issues = read_source(source, overrides)
     if issues:
         raise ConfigError(origin, [str(i) for i in issues])
     if "stages" in raw:
@@ -452,6 +441,23 @@ def load_config(
     if issues:
         raise ConfigError(origin, [str(i) for i in issues])
     return cfg
+
+
+def read_source(source: str | os.PathLike | dict, overrides) -> tuple[dict, str, str | None, list[Issue]]:
+    """(raw mapping with the overrides applied, where it came from, its directory, override problems)."""
+    if isinstance(source, dict):
+        raw, origin, source_dir = copy.deepcopy(source), "<dict>", None
+    else:
+        origin = str(source)
+        raw = _read_yaml(Path(source))
+        source_dir = str(Path(source).resolve().parent)
+    issues: list[Issue] = []
+    for item in overrides:
+        try:
+            apply_override(raw, item)
+        except ValueError as exc:
+            issues.append(Issue(f"--set {item}", str(exc)))
+    return raw, origin, source_dir, issues
 
 
 def _read_yaml(path: Path) -> dict:

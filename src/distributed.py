@@ -109,6 +109,45 @@ def install(ranks: Ranks) -> Ranks:
     return ranks
 
 
+def check_same_config(cfg) -> None:
+    """Every rank must train the same run: a node started with another config would silently diverge."""
+    import hashlib
+    import json
+
+    ranks = current()
+    if not ranks.distributed:
+        return
+    dump = cfg.dump()
+    dump.pop("resume", None)
+    digest = hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()[:12]
+    digests = ranks.gather(digest)
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise MudpuppyError(f"ranks {', '.join(map(str, differ))} run a different config from rank 0 (config digests "
+                            f"{', '.join(f'rank {r}: {d}' for r, d in enumerate(digests))}); start every node with "
+                            "the same YAML file and --set overrides")
+
+
+def is_placeholder(batch) -> bool:
+    """A batch a rank runs with weight zero because its share of the global batch was empty (batching.py)."""
+    return getattr(batch, "placeholder", False)
+
+
+def whole(value: float) -> float | int:
+    """A count summed over ranks as a float, back to an int when it is one."""
+    return int(value) if float(value).is_integer() else value
+
+
+def sum_step(ranks: Ranks, all_sum, total: float, tokens: int, sums: dict, weights: dict):
+    """A step's loss total, real tokens and weighted metric sums, summed over the ranks with `all_sum`
+    (the backend's all-reduce of a list of floats). The metric names are the union of the ranks':
+    a rank may have seen none of a metric this step."""
+    keys = sorted(set().union(*ranks.gather(sorted(sums))))
+    reduced = all_sum([total, tokens] + [sums.get(k, 0.0) for k in keys] + [weights.get(k, 0) for k in keys])
+    sums = dict(zip(keys, reduced[2 : 2 + len(keys)]))
+    return reduced[0], int(reduced[1]), sums, dict(zip(keys, reduced[2 + len(keys):]))
+
+
 def reset() -> None:
     """Back to one process (tests, and a backend that leaves its process group)."""
     install(Ranks())

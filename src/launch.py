@@ -59,24 +59,9 @@ def launch(cfg, backend_name: str, nproc: int, run_args: list[str], echo=print) 
     """Start `nproc` copies of `mudpuppy run run_args`; returns the exit code of the whole run."""
     if backend_name == "mlx":
         return launch_mlx(cfg, nproc, run_args, echo)
+    from .backends.torch.launch import launch_torch
+
     return launch_torch(cfg, nproc, run_args, echo)
-
-
-def launch_torch(cfg, nproc: int, run_args: list[str], echo=print) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
-    os.environ[LAUNCHED_ENV] = "1"
-    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
-                       "--module", "mudpuppy", "run", *run_args])
-    echo(f"launching {nproc} processes on this node (torch.distributed.run, strategy {cfg.distributed.strategy})")
-    try:
-        run(args)
-    except ChildFailedError as exc:
-        rank, cause, code = first_cause(exc.failures)
-        raise_failure(cfg, rank, cause, code)
-    return 0
 
 
 # How a process that lost its peers reports it: it is a consequence of another rank's failure, never the cause.

@@ -23,7 +23,7 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
         if cfg.method == "grpo":
             raise MudpuppyError("method grpo runs in one process for now: its rollouts are sampled and scored by "
                                 "one rank (start it without --nproc / torchrun)")
-        from ..backends.torch.distributed import check_same_config
+        from ..distributed import check_same_config
 
         check_same_config(cfg)
         if not ranks.is_main:

@@ -40,9 +40,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ..config import (
-    ConfigError, Issue, RunConfig, _missing_files, _pydantic_issues, _read_yaml, apply_override,
-)
+from ..config import ConfigError, Issue, RunConfig, _missing_files, _pydantic_issues, _read_yaml, read_source
 from ..errors import MudpuppyError, OutputExists
 from . import outputs
 
@@ -92,17 +90,7 @@ def is_curriculum(source) -> bool:
 
 def load_curriculum(source, overrides: list[str] | tuple[str, ...] = (), check_files: bool = True) -> Curriculum:
     """Read a curriculum (a YAML file or a dict), apply overrides, and check every stage whole."""
-    if isinstance(source, dict):
-        raw, origin, source_dir = copy.deepcopy(source), "<dict>", None
-    else:
-        origin, raw = str(source), _read_yaml(Path(source))
-        source_dir = str(Path(source).resolve().parent)
-    issues: list[Issue] = []
-    for item in overrides:
-        try:
-            apply_override(raw, item)
-        except ValueError as exc:
-            issues.append(Issue(f"--set {item}", str(exc)))
+    raw, origin, source_dir, issues = read_source(source, overrides)
     stages = raw.pop("stages", None)
     if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
         issues.append(Issue("stages", "expected a list of stages, each a mapping (at least one)"))

@@ -127,7 +127,7 @@ def test_more_processes_than_usable_gpus_is_refused(monkeypatch):
 
 def test_a_rank_with_another_config_stops_the_run(tiny_config):
     from mudpuppy import load_config
-    from mudpuppy.backends.torch.distributed import check_same_config
+    from mudpuppy.distributed import check_same_config
 
     cfg = load_config(tiny_config)
     try:

@@ -41,10 +41,6 @@ def join() -> ranks_module.Ranks:
     return ranks_module.install(ranks)
 
 
-def group():
-    return _group
-
-
 def barrier() -> None:
     mx.eval(mx.distributed.all_sum(mx.array([1.0]), group=_group))
 

@@ -28,6 +28,7 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from ...distributed import is_placeholder, sum_step, whole
 from ...errors import MudpuppyError
 from ..protocol import StepResult
 from .compiled import CompiledTokenLoss
@@ -81,14 +82,13 @@ class MlxTrainer:
         mx.random.seed(self._step_seed())
         self.steps += 1
         # A placeholder (a rank left without data at the end of an epoch) contributes nothing.
-        counts = [0 if getattr(b, "placeholder", False) else objective.count(b) for b in micro_batches]
-        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches if not getattr(b, "placeholder", False))
+        counts = [0 if is_placeholder(b) else objective.count(b) for b in micro_batches]
+        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches if not is_placeholder(b))
         distributed = self.ranks.distributed
         if distributed:
             from .distributed import all_sum
 
-            loss_tokens = sum(all_sum(counts))
-            loss_tokens = int(loss_tokens) if float(loss_tokens).is_integer() else loss_tokens
+            loss_tokens = whole(sum(all_sum(counts)))
         else:
             loss_tokens = sum(counts)
         # average_gradients divides by the number of ranks; the sum is what one process computes.
@@ -107,10 +107,7 @@ class MlxTrainer:
         if distributed:
             from .distributed import all_sum, average_gradients
 
-            keys = sorted(set().union(*self.ranks.gather(sorted(sums))))   # a rank may have seen none of a metric
-            reduced = all_sum([total, tokens] + [sums.get(k, 0.0) for k in keys] + [weights.get(k, 0) for k in keys])
-            total, tokens = reduced[0], int(reduced[1])
-            sums, weights = dict(zip(keys, reduced[2 : 2 + len(keys)])), dict(zip(keys, reduced[2 + len(keys):]))
+            total, tokens, sums, weights = sum_step(self.ranks, all_sum, total, tokens, sums, weights)
             if loss_tokens:
                 # Every rank takes part in the average, one without loss units this step with zeros.
                 if grads is None:

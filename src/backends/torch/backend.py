@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...distributed import is_placeholder, sum_step, whole
 from ...errors import MudpuppyError
 from ..adapters import choose_target_modules
 from ..models import resolve_model
@@ -336,7 +337,7 @@ class TorchBackend:
             if problem:
                 raise MudpuppyError(problem)
             # Before the optimizer is built: FSDP replaces the parameters with their shards.
-            self.engine = Engine(strategy, handle.model, self.plan, self.plan.distributed, checkpointing)
+            self.engine = Engine(strategy, handle.model, self.plan, self.plan.distributed)
         return TorchTrainer(self, handle, training_cfg, offload, self.engine)
 
     def _tensors(self, batch, model, every_position: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -514,7 +515,7 @@ class TorchTrainer:
         # Normalise by the count (loss tokens for SFT) of the whole step, so accumulation
         # over micro-batches gives exactly the gradient of one large batch; in a distributed
         # run the count of every rank's share, so N ranks give the gradient of one process.
-        counts = [0 if getattr(b, "placeholder", False) else objective.count(b) for b in micro_batches]
+        counts = [0 if is_placeholder(b) else objective.count(b) for b in micro_batches]
         step_counts = [whole(c) for c in engine.all_sum(counts, device)] if engine else counts
         loss_tokens = sum(step_counts)          # may be fractional (GRPO weighs sequences)
         # Each engine averages gradients over the ranks; the sum over ranks is what one process computes.
@@ -526,7 +527,7 @@ class TorchTrainer:
         for i in runs:
             batch, n = micro_batches[i], counts[i]
             # A placeholder (a rank left without data at the end of an epoch) runs with weight zero.
-            weight = 0.0 if getattr(batch, "placeholder", False) else 1.0
+            weight = 0.0 if is_placeholder(batch) else 1.0
             with engine.micro_batch(sync=i == runs[-1]) if engine else contextlib.nullcontext():
                 loss, metrics = self._forward(objective, batch)
                 scaled = loss * (scale * weight)
@@ -535,15 +536,10 @@ class TorchTrainer:
             for key, value in (metrics.items() if weight else ()):   # a metric may be absent from some micro-batches
                 sums[key] = sums.get(key, 0.0) + value * n
                 weights[key] = weights.get(key, 0) + n
-        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches if not getattr(b, "placeholder", False))
+        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches if not is_placeholder(b))
         if engine:
-            # The union of the ranks' metric names: a rank may have seen none of a metric this step.
-            keys = sorted(set().union(*engine.ranks.gather(sorted(sums))))
-            reduced = engine.all_sum([total, tokens] + [sums.get(k, 0.0) for k in keys]
-                                     + [weights.get(k, 0) for k in keys], device)
-            total, tokens = reduced[0], int(reduced[1])
-            sums = dict(zip(keys, reduced[2 : 2 + len(keys)]))
-            weights = dict(zip(keys, reduced[2 + len(keys):]))
+            total, tokens, sums, weights = sum_step(engine.ranks, lambda v: engine.all_sum(v, device),
+                                                    total, tokens, sums, weights)
         metrics = {key: value / weights[key] for key, value in sums.items() if weights[key]}
         mean = total / max(loss_tokens, 1)
         if self.scaler:
@@ -652,11 +648,6 @@ def start_from(model, path: str) -> None:
         raise MudpuppyError(f"adapter.init_from {path}: {'; '.join(problems)}; use the same adapter settings as "
                             "the run that wrote it")
     set_peft_model_state_dict(model, state)
-
-
-def whole(value: float) -> float | int:
-    """A count summed over ranks as a float, back to an int when it is one."""
-    return int(value) if float(value).is_integer() else value
 
 
 def _is_right_padded(mask: np.ndarray) -> bool:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import os
 from pathlib import Path
 
 import torch
@@ -88,25 +87,6 @@ def _gather(obj) -> list:
     return out
 
 
-def check_same_config(cfg) -> None:
-    """Every rank must train the same run: a node started with another config would silently diverge."""
-    import hashlib
-    import json
-
-    ranks = ranks_module.current()
-    if not ranks.distributed:
-        return
-    dump = cfg.dump()
-    dump.pop("resume", None)
-    digest = hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()[:12]
-    digests = ranks.gather(digest)
-    differ = [r for r, d in enumerate(digests) if d != digests[0]]
-    if differ:
-        raise MudpuppyError(f"ranks {', '.join(map(str, differ))} run a different config from rank 0 (config digests "
-                            f"{', '.join(f'rank {r}: {d}' for r, d in enumerate(digests))}); start every node with "
-                            "the same YAML file and --set overrides")
-
-
 class Step(torch.nn.Module):
     """The module the engines wrap: its forward runs the function it is given (one micro-batch's loss)."""
 
@@ -121,7 +101,7 @@ class Step(torch.nn.Module):
 class Engine:
     """One model wrapped for N processes; the trainer runs each micro-batch through `run`."""
 
-    def __init__(self, strategy: str, model, plan, cfg, checkpointing: bool):
+    def __init__(self, strategy: str, model, plan, cfg):
         self.strategy = strategy
         self.ranks = ranks_module.current()
         self.in_step = False
@@ -183,7 +163,7 @@ class Engine:
 
 def shard_model(step_module, model, plan, cfg):
     """FSDP2: each decoder layer a unit (with its LoRA matrices), the rest under the root."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     policy = mixed_precision(cfg.mixed_precision, plan)
     offload = CPUOffloadPolicy() if cfg.cpu_offload else None
@@ -283,10 +263,3 @@ def full_state_dict(model, trainable_only: bool) -> dict:
     unique = {name for name, _ in model.named_parameters()}
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
     return {name: value for name, value in state.items() if name not in tied}
-
-
-def describe(engine: Engine | None) -> str:
-    if engine is None:
-        return ""
-    r = engine.ranks
-    return f"{engine.strategy} over {r.world} processes ({os.environ.get('LOCAL_WORLD_SIZE', r.world)} on this node)"

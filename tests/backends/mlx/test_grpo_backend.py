@@ -98,17 +98,22 @@ def test_reference_switches_the_adapter_off(tiny_model_dir, tiny_config, mlx_bac
         assert all(not g.any() for g in grads.values())
 
 
+def adapted_handle(backend, tiny_config, adapter: str):
+    """lora_handle's model, or (adapter none) the tiny model trained in full."""
+    if adapter == "lora":
+        return lora_handle(backend, tiny_config)
+    tiny_config["adapter"] = {"type": "none"}
+    cfg = load_config(tiny_config)
+    handle = backend.load_model(cfg.model, "fp32")
+    backend.attach_adapter(handle, cfg.adapter)
+    return handle
+
+
 @pytest.mark.parametrize("adapter", ["lora", "none"], ids=["lora", "full"])
 def test_the_gradient_is_sequence_logprobs_gradient(tiny_config, mlx_backend, monkeypatch, adapter):
     """Summed over a batch, both are the same log-probs at temperature 1: so are their gradients, through
     several checkpointed chunks, to the adapter or (full fine-tune) to every weight, tied head included."""
-    if adapter == "lora":
-        handle = lora_handle(mlx_backend, tiny_config)
-    else:
-        tiny_config["adapter"] = {"type": "none"}
-        cfg = load_config(tiny_config)
-        handle = mlx_backend.load_model(cfg.model, "fp32")
-        mlx_backend.attach_adapter(handle, cfg.adapter)
+    handle = adapted_handle(mlx_backend, tiny_config, adapter)
     handle.model.train()
     batch = random_batch(len(handle.tokenizer), rows=4, width=14)
     monkeypatch.setattr(logprobs, "CHUNK_ROWS", 4)
@@ -126,13 +131,7 @@ def test_the_gradient_is_sequence_logprobs_gradient(tiny_config, mlx_backend, mo
 def test_the_chunked_backward_is_mlx_autodiff_at_any_temperature(tiny_config, mlx_backend, monkeypatch, adapter):
     """The head's hand-written VJP against MLX differentiating the full-logits path, with a temperature
     and a different weight on every token (each chunk gets its own slice of the cotangent)."""
-    if adapter == "lora":
-        handle = lora_handle(mlx_backend, tiny_config)
-    else:
-        tiny_config["adapter"] = {"type": "none"}
-        cfg = load_config(tiny_config)
-        handle = mlx_backend.load_model(cfg.model, "fp32")
-        mlx_backend.attach_adapter(handle, cfg.adapter)
+    handle = adapted_handle(mlx_backend, tiny_config, adapter)
     batch = random_batch(len(handle.tokenizer), rows=4, width=14)
     weights = mx.array(np.random.default_rng(1).normal(size=batch.loss_tokens).astype(np.float32))
     monkeypatch.setattr(logprobs, "CHUNK_ROWS", 6)
