@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import DataError
 from .readers import Problem, RawSource, Record, record_error
+from .tools import check_tool_calls, check_tools, join_content_parts
 
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT and similar datasets name roles differently.
@@ -54,6 +55,9 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("instruction", (("instruction", "output"), ("instruction", "response"), ("input", "output")),
            {"instruction": "Translate to French", "input": "cat", "output": "chat"}),
 )}
+
+# Formats whose records hold messages, and so may carry a `tools` column.
+TOOL_FORMATS_WITH_MESSAGES = ("chat", "completion", "kto", "preference", "rl")
 
 # Which formats each training method consumes.
 METHOD_FORMATS: dict[str, tuple[str, ...]] = {
@@ -176,6 +180,8 @@ def normalize_record(fmt: str, record: dict) -> dict:
         raise ValueError(f"missing field {', '.join(map(repr, missing))} for {fmt} format "
                          f"(expected {spec.describe_keys()}, found fields {sorted(record)})")
     out = dict(record)
+    if fmt in TOOL_FORMATS_WITH_MESSAGES and record.get("tools") is not None:
+        out["tools"] = check_tools(record["tools"])
     if fmt == "chat":
         key = "messages" if "messages" in record else "conversations"
         out.pop("conversations", None)
@@ -252,23 +258,44 @@ def check_messages(messages, key: str = "messages") -> list[dict]:
         if not isinstance(msg, dict):
             raise ValueError(f"{key}[{i}] must be an object with 'role' and 'content', found {_kind(msg)}")
         role = msg.get("role", msg.get("from"))
-        content = msg.get("content", msg.get("value"))
         if not isinstance(role, str):
             raise ValueError(f"{key}[{i}] needs a string 'role', found {_kind(role)}")
-        if not isinstance(content, str):
-            raise ValueError(f"{key}[{i}].content must be a string, found {_kind(content)}")
         role = ROLE_ALIASES.get(role, role)
         if role not in ROLES:
             raise ValueError(f"{key}[{i}].role {role!r} is not one of {', '.join(ROLES)} "
                              f"(or ShareGPT's {', '.join(ROLE_ALIASES)})")
-        clean = {"role": role, "content": content}
+        clean = {"role": role, "content": check_content(msg, f"{key}[{i}]")}
+        if msg.get("tool_calls"):
+            if role != "assistant":
+                raise ValueError(f"{key}[{i}] has tool_calls but its role is {role!r}; only assistant turns call tools")
+            clean["tool_calls"] = check_tool_calls(msg["tool_calls"], f"{key}[{i}].tool_calls")
+        for extra in ("name", "tool_call_id"):      # which call a tool result answers; some templates write them
+            if role == "tool" and isinstance(msg.get(extra), str):
+                clean[extra] = msg[extra]
         train = msg.get("train")
         if train is not None:
             if not isinstance(train, bool):
                 raise ValueError(f"{key}[{i}].train must be true or false, found {_kind(train)}")
+            if train and role == "tool":
+                raise ValueError(f"{key}[{i}].train is true on a tool result; tool results never carry loss "
+                                 "(they are what the tool returned, not what the model writes)")
             clean["train"] = train
         out.append(clean)
     return out
+
+
+def check_content(msg: dict, where: str) -> str:
+    """A message's text: a string, or a list of content parts whose text parts are joined.
+    An assistant turn that only calls tools may have no content (null), as OpenAI exports write it."""
+    content = msg.get("content", msg.get("value"))
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return join_content_parts(content, f"{where}.content")
+    if content is None and msg.get("tool_calls"):
+        return ""
+    raise ValueError(f"{where}.content must be a string, found {_kind(content)} "
+                     "(a list of content parts [{'type': 'text', 'text': ...}] is accepted too)")
 
 
 def _kind(value) -> str:

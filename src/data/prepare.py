@@ -9,7 +9,7 @@ Two stages, so that data problems surface before any model loads:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,8 @@ from .formats import check_method_format, detect_format, normalize_records, rena
 from .readers import Record, is_local, read_source
 from .render import RenderOptions, instruction_prompt
 from .templates import apply_chat_template_choice, template_warnings
-from .tokenize import tokenize_records
+from .tokenize import needs_template, tokenize_records, tool_format_for
+from .tools import uses_tools
 
 SKIPPED_SHOWN = 20     # bad-record locations kept for the report
 
@@ -30,6 +31,7 @@ SKIPPED_SHOWN = 20     # bad-record locations kept for the report
 class DataReport:
     per_dataset: dict[str, int] = field(default_factory=dict)   # dataset path -> examples kept
     formats: dict[str, str] = field(default_factory=dict)       # dataset path -> format
+    tool_formats: dict[str, str] = field(default_factory=dict)  # dataset path -> how its tool calls render
     truncated: int = 0
     dropped: int = 0                 # too long (truncation: drop) or nothing to learn
     dropped_too_long: int = 0
@@ -85,6 +87,9 @@ def load_dataset(cfg, spec) -> LoadedDataset:
     tolerant = cfg.data.skip_bad_records
     path = cfg.resolve_path(spec.path)
     name = display_name(path) if is_local(path) else spec.path
+    if "tool" in spec.roles_to_train:
+        raise DataError(name, None, "roles_to_train includes 'tool', but tool results never carry loss: they are "
+                                    "what a tool returned, not what the model writes; leave 'tool' out")
     raw = read_source(path, name, split=spec.split, subset=spec.subset, tolerant=tolerant)
     raw.records = raw.records[: spec.num_samples]
     for rec in raw.records:
@@ -111,11 +116,16 @@ def load_data(cfg, method: str | None = None) -> LoadedData:
 def render_options(spec, has_template: bool) -> RenderOptions:
     chat = spec.prompt_style == "chat" or (spec.prompt_style == "auto" and has_template)
     return RenderOptions(frozenset(spec.roles_to_train), spec.train_on_inputs, spec.train_on_eos, chat,
-                         spec.system_prompt)
+                         spec.system_prompt, spec.tool_format)
 
 
-def tokenize_dataset(ds: LoadedDataset, tokenizer, has_template: bool) -> tuple[list[AnyExample], list[dict]]:
+def tokenize_dataset(ds: LoadedDataset, tokenizer, has_template: bool,
+                     report: DataReport | None = None) -> tuple[list[AnyExample], list[dict]]:
     opts = render_options(ds.spec, has_template)
+    if has_template and needs_template(ds.format, ds.records, opts):
+        opts = replace(opts, tool_format=tool_format_for(tokenizer, opts, ds.records))
+        if report is not None and any(uses_tools(r.data) for r in ds.records):
+            report.tool_formats[ds.spec.path] = opts.tool_format
     examples = tokenize_records(tokenizer, ds.format, ds.records, opts, ds.name)
     return examples, [record_for_eval(ds.format, r.data, opts) for r in ds.records]
 
@@ -219,7 +229,7 @@ def tokenize_group(datasets: list[LoadedDataset], tokenizer, has_template: bool,
     """Examples, eval records and dataset index of each, for a list of datasets, length-fitted."""
     examples, records, origin = [], [], []
     for d, ds in enumerate(datasets):
-        ex, rec = fit_length(*tokenize_dataset(ds, tokenizer, has_template), cfg.data.sequence_len,
+        ex, rec = fit_length(*tokenize_dataset(ds, tokenizer, has_template, report), cfg.data.sequence_len,
                              cfg.data.truncation, report)
         report.per_dataset[ds.spec.path] = len(ex)
         report.formats[ds.spec.path] = ds.format

@@ -17,6 +17,8 @@ from pathlib import Path
 from ..errors import DataError
 
 LOCAL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet")
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip")
+TEXT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".tsv")
 
 
 @dataclass
@@ -54,7 +56,15 @@ def record_error(name: str, record: Record, message: str) -> DataError:
 
 def is_local(path: Path) -> bool:
     """A data file (present or not) rather than a hub dataset name."""
-    return path.exists() or path.suffix.lower() in LOCAL_SUFFIXES
+    return path.exists() or data_suffix(path) in LOCAL_SUFFIXES
+
+
+def data_suffix(path: Path) -> str:
+    """The suffix naming the data format, under any compression suffix (`a.jsonl.gz` -> `.jsonl`)."""
+    suffixes = [x.lower() for x in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
 
 
 def read_source(path: Path, name: str, *, split: str = "train", subset: str | None = None,
@@ -69,20 +79,105 @@ def read_file(path: Path, display: str, tolerant: bool = False) -> RawSource:
     if not path.is_file():
         what = "is a directory, not a data file" if path.is_dir() else "file not found"
         raise DataError(display, None, f"{what} (looked at {path})")
-    suffix = path.suffix.lower()
+    suffix = data_suffix(path)
     readers = {".jsonl": read_jsonl, ".ndjson": read_jsonl, ".json": read_json,
                ".csv": read_csv, ".tsv": read_csv, ".parquet": read_parquet}
+    raw = decompress(path.read_bytes(), path, display)
+    if path.suffix.lower() == ".zip":
+        raw, suffix = unzip_one(raw, display)
     if suffix not in readers:
-        raise DataError(display, None, f"unsupported file type {suffix or '(none)'!r}; "
-                                       f"use one of {', '.join(LOCAL_SUFFIXES)}")
-    raw = path.read_bytes()
-    source = readers[suffix](raw, display, tolerant, path)
+        raise DataError(display, None, f"unsupported file type {suffix or '(none)'!r}; use one of "
+                                       f"{', '.join(LOCAL_SUFFIXES)}, each optionally compressed "
+                                       f"({', '.join(COMPRESSED_SUFFIXES)})")
+    if suffix in TEXT_SUFFIXES:
+        raw = as_utf8_text(raw, display)
+    source = readers[suffix](raw, display, tolerant, Path(f"data{suffix}"))
     if not source.records and not source.problems:
         raise DataError(display, None, "the file holds no records")
     if not source.records:
         raise DataError(display, source.problems[0].line,
                         f"no usable records: all {len(source.problems)} were bad; the first: {source.problems[0].message}")
     return source
+
+
+# --------------------------------------------------------------------------- as tools export them
+
+# Compressed files misnamed without their suffix are recognised by these (binary) first bytes.
+_MAGIC = {b"\x1f\x8b": ".gz", b"\xfd7zXZ\x00": ".xz", b"\x28\xb5\x2f\xfd": ".zst"}
+_SUFFIX_KINDS = (".gz", ".bz2", ".xz", ".zst")
+
+
+def decompress(raw: bytes, path: Path, display: str) -> bytes:
+    """The file's bytes, decompressed when its suffix or its first bytes say gzip, bzip2, xz or zstd."""
+    kind = path.suffix.lower()
+    if kind not in _SUFFIX_KINDS:
+        kind = next((k for magic, k in _MAGIC.items() if raw.startswith(magic)), None)
+    if kind is None:
+        return raw
+    try:
+        if kind == ".gz":
+            import gzip
+            return gzip.decompress(raw)
+        if kind == ".bz2":
+            import bz2
+            return bz2.decompress(raw)
+        if kind == ".xz":
+            import lzma
+            return lzma.decompress(raw)
+        return _zstd_decompress(raw, display)
+    except DataError:
+        raise
+    except Exception as exc:   # each library raises its own type for a damaged stream
+        raise DataError(display, None, f"not a readable {kind[1:]} file ({exc}); is it complete?") from None
+
+
+def _zstd_decompress(raw: bytes, display: str) -> bytes:
+    try:
+        import zstandard
+    except ImportError:
+        raise DataError(display, None, "reading zstd-compressed files needs the zstandard package: "
+                                       "pip install zstandard (or decompress it: zstd -d FILE)") from None
+    return zstandard.ZstdDecompressor().stream_reader(raw).read()
+
+
+def unzip_one(raw: bytes, display: str) -> tuple[bytes, str]:
+    """The one data file inside a .zip archive, and its suffix."""
+    import io
+    import zipfile
+
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(raw))
+    except zipfile.BadZipFile as exc:
+        raise DataError(display, None, f"not a readable zip file ({exc})") from None
+    members = [m for m in archive.namelist() if not m.endswith("/") and not m.startswith("__MACOSX/")]
+    if len(members) != 1:
+        raise DataError(display, None, f"a zip archive must hold exactly one data file; this one holds "
+                                       f"{len(members)}: {', '.join(members[:5])}")
+    return archive.read(members[0]), data_suffix(Path(members[0]))
+
+
+def as_utf8_text(raw: bytes, display: str) -> bytes:
+    """Text as Windows tools write it, made plain UTF-8 with LF line ends: a UTF-16 or UTF-32 file
+    (found by its byte-order mark) is re-encoded, and a UTF-8 BOM, CRLF line ends and a trailing
+    Ctrl-Z (the old end-of-file mark) are dropped. Line numbers are unchanged."""
+    import codecs
+
+    for bom, codec in ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+                       (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")):
+        if raw.startswith(bom):
+            try:
+                raw = raw.decode(codec).encode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(display, None, f"starts with a {codec.upper()} byte-order mark but is not valid "
+                                               f"{codec.upper()} text at byte {exc.start}; re-save it as UTF-8") from None
+            break
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
+    raw = raw.replace(b"\r\n", b"\n").rstrip(b"\x1a")
+    if b"\x00" in raw[:4096]:
+        raise DataError(display, raw.count(b"\n", 0, raw.index(b"\x00")) + 1,
+                        "holds NUL bytes: the file looks like UTF-16 text without a byte-order mark; re-save it as UTF-8")
+    return raw
 
 
 def fingerprint_bytes(raw: bytes) -> str:
@@ -144,9 +239,13 @@ def _json_kind(value) -> str:
 
 # --------------------------------------------------------------------------- JSON
 
+RECORD_LIST_KEYS = ("data", "rows", "records", "examples")
+
+
 def read_json(raw: bytes, name: str, tolerant: bool, path: Path | None = None) -> RawSource:
     """A JSON array of objects (each tagged with the line it starts on), an object holding
-    one such array (e.g. {"data": [...]}), or JSON lines saved with a .json suffix."""
+    one such array (`{"data": [...]}`, or beside other keys under data/rows/records/examples),
+    pandas' `to_json` layouts (split, columns), or JSON lines saved with a .json suffix."""
     bad = find_bad_utf8(raw)
     if bad:
         raise DataError(name, *bad)
@@ -154,17 +253,57 @@ def read_json(raw: bytes, name: str, tolerant: bool, path: Path | None = None) -
     start = _skip_ws(text, 0)
     if start == len(text):
         raise DataError(name, None, "the file holds no records")
-    if text[start] != "[":
-        try:
-            whole = json.loads(text)
-        except json.JSONDecodeError:
-            return read_jsonl(raw, name, tolerant)     # JSON lines under a .json name
-        arrays = [k for k, v in whole.items() if isinstance(v, list)] if isinstance(whole, dict) else []
-        if isinstance(whole, dict) and len(arrays) == 1 and len(whole) == 1:
-            start = text.index("[", start)
-        else:
-            return read_jsonl(raw, name, tolerant)     # a single object: one JSON line
-    return _read_json_array(text, start, name, fingerprint_bytes(raw), tolerant)
+    if text[start] == "[":
+        return _read_json_array(text, start, name, fingerprint_bytes(raw), tolerant)
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        return read_jsonl(raw, name, tolerant)     # JSON lines under a .json name
+    if not isinstance(whole, dict):
+        return read_jsonl(raw, name, tolerant)
+    table = _pandas_layout(whole)
+    if table is not None:
+        return RawSource(name, [Record(r, i + 1) for i, r in enumerate(table)], fingerprint_bytes(raw))
+    key = _record_list_key(whole)
+    if key is None:
+        return read_jsonl(raw, name, tolerant)     # a single object: one JSON line
+    return _read_json_array(text, _value_start(text, start, key), name, fingerprint_bytes(raw), tolerant)
+
+
+def _value_start(text: str, pos: int, key: str) -> int:
+    """Where the value of the top-level `key` starts in the JSON object at `pos` (a valid one)."""
+    decoder = json.JSONDecoder()
+    pos = _skip_ws(text, pos + 1)
+    while True:
+        name, pos = decoder.raw_decode(text, pos)
+        pos = _skip_ws(text, _skip_ws(text, pos) + 1)        # past the ':'
+        if name == key:
+            return pos
+        _, pos = decoder.raw_decode(text, pos)
+        pos = _skip_ws(text, _skip_ws(text, pos) + 1)        # past the ','
+
+
+def _record_list_key(whole: dict) -> str | None:
+    """The key holding the records: the object's only key with a list, or data/rows/records/examples."""
+    lists = [k for k, v in whole.items() if isinstance(v, list)]
+    if len(whole) == 1 and len(lists) == 1:
+        return lists[0]
+    named = [k for k in RECORD_LIST_KEYS if isinstance(whole.get(k), list)
+             and all(isinstance(r, dict) for r in whole[k])]
+    return named[0] if named else None
+
+
+def _pandas_layout(whole: dict) -> list[dict] | None:
+    """Rows of a DataFrame written by pandas' to_json as orient='split' or the default 'columns'."""
+    if set(whole) in ({"columns", "data"}, {"columns", "index", "data"}) and isinstance(whole["columns"], list) \
+            and isinstance(whole["data"], list) and all(isinstance(r, list) for r in whole["data"]):
+        return [_drop_missing(dict(zip(whole["columns"], row))) for row in whole["data"]]
+    columns = list(whole.values())
+    if columns and all(isinstance(c, dict) and c for c in columns):
+        index = list(columns[0])
+        if all(k.isdigit() for k in index) and all(list(c) == index for c in columns):
+            return [_drop_missing({col: whole[col][i] for col in whole}) for i in index]
+    return None
 
 
 def _read_json_array(text: str, pos: int, name: str, fingerprint: str, tolerant: bool) -> RawSource:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import DataError
+from .tools import BUILTIN_TOOL_FORMATS, RecordError, to_builtin_format
 
 ALPACA_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -39,6 +40,7 @@ class RenderOptions:
     train_on_eos: str = "turn"          # turn | last | none
     chat: bool = True                   # prompt/response formats through the chat template
     system_prompt: str | None = None
+    tool_format: str = "auto"           # auto | template | hermes | llama3 (see tools.py)
 
 
 @dataclass
@@ -58,30 +60,96 @@ class Rendered:
 
 # --------------------------------------------------------------------------- chat
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    clean = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+                tools: list[dict] | None = None) -> str:
+    clean = [template_message(m) for m in messages]
+    return tokenizer.apply_chat_template(clean, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
-def render_conversation(tokenizer, messages: list[dict], trained: list[bool]) -> Rendered:
-    """The rendered conversation with a content span and an eos span per trained message."""
-    full = render_chat(tokenizer, messages)
+def template_message(m: dict) -> dict:
+    """What a chat template sees of a message: role and content, and the tool parts when present
+    (templates test ``'tool_calls' in message``, so the key is left out when there are none)."""
+    out = {"role": m["role"], "content": m["content"]}
+    for key in ("tool_calls", "name", "tool_call_id"):
+        if m.get(key):
+            out[key] = m[key]
+    return out
+
+
+def render_conversation(tokenizer, messages: list[dict], trained: list[bool], tools: list[dict] | None = None,
+                        tool_format: str = "auto") -> Rendered:
+    """The rendered conversation with a content span and an eos span per trained message.
+
+    Tool results never carry loss. With a built-in `tool_format` the tool parts are first
+    rewritten as message text (`tools.to_builtin_format`); otherwise they go to the template.
+    Raises RecordError when the template would leave out something the record holds.
+    """
+    trained = [t and m["role"] != "tool" for m, t in zip(messages, trained)]
+    origin = list(range(len(messages)))
+    if tool_format in BUILTIN_TOOL_FORMATS:
+        messages, trained, origin = to_builtin_format(tool_format, messages, trained, tools)
+        tools = None
+    full = render_chat(tokenizer, messages, tools=tools)
+    check_nothing_vanishes(full, messages, origin)
     spans: list[tuple[int, int, str]] = []
     for i, msg in enumerate(messages):
         if not trained[i]:
             continue
         assistant = msg["role"] == "assistant"
-        before = render_chat(tokenizer, messages[:i], add_generation_prompt=assistant) if i else ""
-        upto = render_chat(tokenizer, messages[: i + 1])
+        before = render_chat(tokenizer, messages[:i], add_generation_prompt=assistant, tools=tools) if i else ""
+        upto = render_chat(tokenizer, messages[: i + 1], tools=tools)
         if not full.startswith(upto) or not upto.startswith(before):
             raise DataError(
                 "chat template", None,
                 "this chat template does not render a conversation's first turns as a prefix of the whole "
                 "(some templates rewrite earlier turns), so loss masks cannot be derived from it; "
                 "set data.chat_template to a built-in template such as chatml")
-        frame = turn_frame(tokenizer, messages, i, len(before))
+        if msg.get("tool_calls"):
+            spans += call_turn_spans(tokenizer, messages, i, full, len(before), len(upto), tools, origin[i])
+            continue
+        frame = turn_frame(tokenizer, messages, i, len(before), tools)
         spans += turn_spans(full, len(before), len(upto), msg["content"], frame, after_prompt=assistant)
     return Rendered(full, spans)
+
+
+def check_nothing_vanishes(full: str, messages: list[dict], origin: list[int | None]) -> None:
+    """Every message's text and every tool call's name must appear in the rendered text:
+    a template that drops them would otherwise train on a conversation the record does not hold."""
+    for msg, at in zip(messages, origin):
+        where = f"messages[{at}] ({msg['role']})" if at is not None else "the tool list"
+        text = msg["content"].strip()
+        if text and text not in full:
+            hint = (" (this template writes only the tool call of a turn that has one: move the text to its own "
+                    "assistant turn, or set tool_format: hermes)" if msg.get("tool_calls") else "")
+            raise RecordError(f"{where}: the chat template leaves this message's text out of the rendered "
+                              f"conversation, so it would be silently dropped{hint}")
+        for call in msg.get("tool_calls", ()):
+            if call["function"]["name"] not in full:
+                raise RecordError(f"{where}: the chat template does not render tool_calls, so the call to "
+                                  f"{call['function']['name']!r} would vanish and the turn would train on nothing; "
+                                  "set tool_format: hermes or llama3 to write calls in a built-in format")
+
+
+def call_turn_spans(tokenizer, messages: list[dict], i: int, full: str, lo: int, hi: int,
+                    tools: list[dict] | None, at: int | None) -> list[tuple[int, int, str]]:
+    """Spans of an assistant turn the template renders with its tool calls: everything the turn
+    writes after the generation prompt is content, up to the marker that closes a plain
+    assistant turn (learnt by rendering one with a placeholder), which is the eos span."""
+    probe = render_chat(tokenizer, messages[:i] + [{"role": "assistant", "content": SENTINEL}], tools=tools)
+    pos = probe.find(SENTINEL)
+    marker = probe[pos + len(SENTINEL):].rstrip() if pos >= lo else ""
+    end = lo + len(full[lo:hi].rstrip())
+    c1 = end - len(marker) if marker and full[lo:end].endswith(marker) else end
+    for call in messages[i]["tool_calls"]:
+        if call["function"]["name"] not in full[lo:c1]:
+            raise RecordError(f"messages[{at}] (assistant): the chat template does not write the call to "
+                              f"{call['function']['name']!r} inside the assistant turn, so it would carry no loss; "
+                              "set tool_format: hermes or llama3")
+    spans = [(lo, c1, "content")] if c1 > lo else []
+    if end > c1:
+        spans.append((c1, end, "eos"))
+    return spans
 
 
 # Private-use characters: no template writes them, and a record containing them
@@ -89,10 +157,11 @@ def render_conversation(tokenizer, messages: list[dict], trained: list[bool]) ->
 SENTINEL = "\ue000\ue001"
 
 
-def turn_frame(tokenizer, messages: list[dict], i: int, lo: int) -> tuple[str, str] | None:
+def turn_frame(tokenizer, messages: list[dict], i: int, lo: int,
+               tools: list[dict] | None = None) -> tuple[str, str] | None:
     """(what the template writes before turn i's content, what after), learnt by rendering
     the turn with a sentinel as its content; None when the template hides it."""
-    probe = render_chat(tokenizer, messages[:i] + [{**messages[i], "content": SENTINEL}])
+    probe = render_chat(tokenizer, messages[:i] + [{**messages[i], "content": SENTINEL}], tools=tools)
     at = probe.find(SENTINEL)
     if at < lo:
         return None
@@ -132,8 +201,9 @@ def turn_spans(full: str, lo: int, hi: int, content: str, frame: tuple[str, str]
 
 
 def trained_flags(messages: list[dict], opts: RenderOptions) -> list[bool]:
-    """A message's own ``train`` flag wins; otherwise its role decides."""
-    return [m.get("train", opts.train_on_inputs or m["role"] in opts.roles) for m in messages]
+    """A message's own ``train`` flag wins; otherwise its role decides. Tool results never train."""
+    return [m["role"] != "tool" and m.get("train", opts.train_on_inputs or m["role"] in opts.roles)
+            for m in messages]
 
 
 # --------------------------------------------------------------------------- prompt / response
@@ -143,7 +213,8 @@ def as_messages(value: str | list[dict], role: str) -> list[dict]:
 
 
 def render_prompt_response(tokenizer, prompt: str | list[dict], response: str | list[dict],
-                           opts: RenderOptions, raw_prompt: str | None = None) -> Rendered:
+                           opts: RenderOptions, raw_prompt: str | None = None,
+                           tools: list[dict] | None = None) -> Rendered:
     """A prompt and a response: through the chat template, or as plain concatenated text.
 
     Message lists always use the template; for plain strings `opts.chat`
@@ -157,7 +228,7 @@ def render_prompt_response(tokenizer, prompt: str | list[dict], response: str | 
         tail = as_messages(response, "assistant")
         messages = head + tail
         trained = [m.get("train", opts.train_on_inputs) for m in head] + [m.get("train", True) for m in tail]
-        return render_conversation(tokenizer, messages, trained)
+        return render_conversation(tokenizer, messages, trained, tools, opts.tool_format)
     prompt_text = raw_prompt if raw_prompt is not None else prompt
     text = prompt_text + response
     start = 0 if opts.train_on_inputs else len(prompt_text)
@@ -176,11 +247,16 @@ def render_text(text: str) -> Rendered:
     return Rendered(text, [(0, len(text), "content")], add_special_tokens=True, append_eos=True)
 
 
-def render_prompt_only(tokenizer, prompt: str | list[dict], opts: RenderOptions) -> Rendered:
+def render_prompt_only(tokenizer, prompt: str | list[dict], opts: RenderOptions,
+                       tools: list[dict] | None = None) -> Rendered:
     """An RL prompt, ending where the model's answer begins."""
     if opts.chat or isinstance(prompt, list):
         system = [{"role": "system", "content": opts.system_prompt}] if opts.system_prompt else []
-        return Rendered(render_chat(tokenizer, system + as_messages(prompt, "user"), add_generation_prompt=True))
+        messages = system + as_messages(prompt, "user")
+        if opts.tool_format in BUILTIN_TOOL_FORMATS:
+            messages, _, _ = to_builtin_format(opts.tool_format, messages, [False] * len(messages), tools)
+            tools = None
+        return Rendered(render_chat(tokenizer, messages, add_generation_prompt=True, tools=tools))
     return Rendered(prompt, add_special_tokens=True)
 
 

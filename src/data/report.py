@@ -74,7 +74,9 @@ def format_report(prepared: PreparedData, cfg, tokenizer, samples: int = 0) -> l
     rep = prepared.report
     lines = []
     for path, n in rep.per_dataset.items():
-        lines.append(f"  {path}: {rep.formats.get(path, '?')}, {n} examples")
+        tools = rep.tool_formats.get(path)
+        shown = f", tool calls written by {'the chat template' if tools == 'template' else tools}" if tools else ""
+        lines.append(f"  {path}: {rep.formats.get(path, '?')}, {n} examples{shown}")
     lines.append(f"train: {rep.train_examples} examples; validation: {rep.val_examples} examples")
     for label, exs in (("train", prepared.train), ("validation", prepared.val)):
         st = length_stats(exs)

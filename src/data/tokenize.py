@@ -14,12 +14,13 @@ from typing import Callable
 import numpy as np
 
 from .examples import AnyExample, Example, LabeledExample, PairExample, PromptExample, StepExample
-from .readers import Record
+from .readers import Record, record_error
 from .render import (
     Rendered, RenderOptions, instruction_prompt, render_chat, render_conversation, render_prompt_only,
     render_prompt_response, render_steps, render_text, trained_flags,
 )
 from .templates import require_chat_template
+from .tools import RecordError, resolve_tool_format, uses_tools
 
 BATCH = 512   # texts per tokenizer call: large enough to use the Rust threads, small enough to stay lean
 
@@ -100,9 +101,15 @@ def tokenize_records(tokenizer, fmt: str, records: list[Record], opts: RenderOpt
     """One example per record, of the type the format calls for (see `examples.py`)."""
     if needs_template(fmt, records, opts):
         require_chat_template(tokenizer, name)
+        opts = replace(opts, tool_format=tool_format_for(tokenizer, opts, records))
     render, assemble = _FORMATS[fmt]
     sources = [f"{name}:{r.line}" if r.line is not None else f"{name} row {r.row}" for r in records]
-    rendered = [render(tokenizer, r.data, opts) for r in records]
+    rendered = []
+    for r in records:
+        try:
+            rendered.append(render(tokenizer, r.data, opts))
+        except RecordError as exc:
+            raise record_error(name, r, str(exc)) from None
     per_record = [len(x) if isinstance(x, tuple) else 1 for x in rendered]
     flat = [x for group in rendered for x in (group if isinstance(group, tuple) else (group,))]
     flat_sources = [s for s, n in zip(sources, per_record) for _ in range(n)]
@@ -112,6 +119,15 @@ def tokenize_records(tokenizer, fmt: str, records: list[Record], opts: RenderOpt
         out.append(assemble(rec.data, examples[at : at + n], src))
         at += n
     return out
+
+
+def tool_format_for(tokenizer, opts: RenderOptions, records: list[Record]) -> str:
+    """The tool format these records render with: `auto` becomes `template` when the chat
+    template renders tool calls (and schemas, if the records have any), else a built-in one;
+    data without tool calls keeps `auto`, which renders like `template`."""
+    if opts.tool_format != "auto" or not any(uses_tools(r.data) for r in records):
+        return opts.tool_format
+    return resolve_tool_format(tokenizer, "auto", any(r.data.get("tools") for r in records))
 
 
 def needs_template(fmt: str, records: list[Record], opts: RenderOptions) -> bool:
@@ -125,7 +141,8 @@ def needs_template(fmt: str, records: list[Record], opts: RenderOptions) -> bool
 
 
 def _chat(tok, rec, opts):
-    return render_conversation(tok, rec["messages"], trained_flags(rec["messages"], opts))
+    return render_conversation(tok, rec["messages"], trained_flags(rec["messages"], opts), rec.get("tools"),
+                               opts.tool_format)
 
 
 def _instruction(tok, rec, opts):
@@ -136,12 +153,12 @@ def _instruction(tok, rec, opts):
 
 
 def _completion(tok, rec, opts):
-    return render_prompt_response(tok, rec["prompt"], rec["completion"], opts)
+    return render_prompt_response(tok, rec["prompt"], rec["completion"], opts, tools=rec.get("tools"))
 
 
 def _preference(tok, rec, opts):
-    return (render_prompt_response(tok, rec["prompt"], rec["chosen"], opts),
-            render_prompt_response(tok, rec["prompt"], rec["rejected"], opts))
+    return (render_prompt_response(tok, rec["prompt"], rec["chosen"], opts, tools=rec.get("tools")),
+            render_prompt_response(tok, rec["prompt"], rec["rejected"], opts, tools=rec.get("tools")))
 
 
 def _reward(tok, rec, opts):
@@ -168,7 +185,7 @@ _FORMATS: dict[str, tuple[Callable, Callable]] = {
     "kto": (_completion, lambda rec, exs, src: LabeledExample(exs[0], rec["label"], src)),
     "preference": (_preference, lambda rec, exs, src: PairExample(exs[0], exs[1], src)),
     "reward": (_reward, _score_at_end),
-    "rl": (lambda tok, rec, opts: render_prompt_only(tok, rec["prompt"], opts),
+    "rl": (lambda tok, rec, opts: render_prompt_only(tok, rec["prompt"], opts, rec.get("tools")),
            lambda rec, exs, src: PromptExample(exs[0], _rl_fields(rec), src)),
     "prm": (lambda tok, rec, opts: render_steps(rec["prompt"], rec["completions"]),
             lambda rec, exs, src: StepExample(exs[0], np.asarray(rec["labels"], dtype=bool), src)),
