@@ -33,6 +33,7 @@ from torch import nn
 
 from ...errors import MudpuppyError
 from .frozen import FrozenLinear
+from .gptq_linear import gptq_settings_of, install_gptq_layers
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -60,8 +61,11 @@ class FrozenPlan:
     build: object = None     # (name, weight, bias) -> nn.Module replacing the linear
     compact_keys: set[str] = field(default_factory=set)   # other tensors kept in `compact_dtype`
     compact_dtype: torch.dtype | None = None
+    as_stored: set[str] = field(default_factory=set)      # read in the checkpoint's own dtype (GPTQ scales)
 
-    def dtype_of(self, key: str, dtype: torch.dtype) -> torch.dtype:
+    def dtype_of(self, key: str, dtype: torch.dtype) -> torch.dtype | None:
+        if key in self.as_stored:
+            return None
         return self.compact_dtype if key in self.compact_keys else dtype
 
 
@@ -89,6 +93,14 @@ def checkpoint_files(directory: Path) -> list[Path] | None:
         return [directory / name for name in names]
     single = directory / SINGLE_FILE
     return [single] if single.is_file() else None
+
+
+def checkpoint_keys(directory: Path) -> set[str]:
+    """The tensor names of a model directory's safetensors files."""
+    keys: set[str] = set()
+    for path in checkpoint_files(directory) or []:
+        keys |= read_header(path).keys()
+    return keys
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
@@ -203,9 +215,9 @@ def place_tensor(model, key: str, tensor: torch.Tensor, dtype, device, frozen: F
     set_tensor(model, key, cast(tensor, frozen.dtype_of(key, dtype)).to(device))
 
 
-def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Floating tensors to the storage dtype; integer and bool buffers as they are."""
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+def cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Floating tensors to the storage dtype (None: as stored); integer and bool buffers as they are."""
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 def set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
@@ -276,8 +288,22 @@ def load_model_weights(auto_class: str, directory: Path, dtype: torch.dtype, dev
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code, **(head_kwargs or {}))
+    gptq = gptq_settings_of(directory)
+    if gptq is not None:
+        # A GPTQ checkpoint (quantization_config, quant_method gptq): its linears become GptqLinear
+        # layers (gptq_linear.py) whose tensors are read as stored; transformers' own path would need
+        # optimum and gptqmodel. The model in memory is then plain to transformers, so a merged or
+        # re-saved model does not claim to be GPTQ.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
     model = build_empty(auto_class, config, dtype, trust_remote_code)
-    report = load_weights(model, directory, dtype, device, plan_frozen(model), new_modules)
+    as_stored = install_gptq_layers(model, checkpoint_keys(directory), gptq, dtype, str(directory)) if gptq else set()
+    plan = plan_frozen(model)
+    plan.as_stored = as_stored
+    report = load_weights(model, directory, dtype, device, plan, new_modules)
+    if report is None and gptq is not None:
+        raise MudpuppyError(f"{directory}: this GPTQ checkpoint's tensors do not match the model its config.json "
+                            "describes (renamed or missing keys); mudpuppy reads GPTQ checkpoints tensor by tensor only")
     if report is None:
         del model
         return load_pretrained_fallback(auto_class, directory, dtype, device, plan_frozen, trust_remote_code,

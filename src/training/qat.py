@@ -1,0 +1,265 @@
+"""Quantization-aware training (`method: qat`): SFT with fake-quantized weights, converted to a real
+low-bit model at the end, and measured against post-training quantization of the same fine-tune.
+
+Supports: everything SFT's loop does (it is SFT's loop: data, schedule, accumulation, checkpoints,
+resume, early stopping, held-out checks), full fine-tuning and LoRA; int4 or int8 weights in
+symmetric groups, optionally int8 dynamic per-token activations; `fake_quant_after_n_steps`;
+the torch backends (cpu, cuda, rocm), in one process. Not supported: DoRA, QLoRA, adapter
+dropout (quantization/qat.py says why), the mlx backend, distributed runs.
+
+    setup           data; the group size checked against the model's layers; model, adapter,
+                    torchao fake quantizers (quantization/qat.py), switched off
+    PTQ baseline    the same fine-tune without fake quantization, then round-to-nearest at the
+                    same bits and group size, measured on the held-out data (see below)
+    loop            SFT's train_loop; fake quantization switched on from step
+                    fake_quant_after_n_steps (0: from the start)
+    save            output_dir: the converted model (codes + scales, quantization/qat.py's
+                    layout), loadable by mudpuppy; output_dir/trained: the fine-tuned float
+                    weights (the LoRA adapter, or the whole model); merged/ with merge: true
+    report          held-out loss (and exact match) of the float fine-tune, PTQ, QAT with fake
+                    quantization, and QAT converted
+
+The comparison the issue asks for, "PTQ (round-to-nearest of the same fine-tuned model)
+against QAT", is read as: the same fine-tuning run (same data order, seed, schedule and
+steps) without fake quantization, then quantized by round-to-nearest on the very grid QAT
+trains against. Quantizing the QAT-trained weights instead would measure QAT twice. The two
+runs are identical until fake quantization starts, so they share their first
+`fake_quant_after_n_steps` steps: those run once, the training state is kept, the baseline
+finishes, and QAT continues from the kept state. The baseline runs only when there is held-out
+data to measure it on and eval.after_training is on; it writes no checkpoints (QAT's branch
+does), and its numbers are kept in output_dir/ptq_baseline.json so a resumed run reports them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import time
+
+from ..data import Batcher, load_data, prepare_sft_data
+from ..errors import MudpuppyError
+from ..evaluation import EvalResult, evaluate
+from . import outputs
+from .loop import (
+    Interrupted, LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, total_steps_for,
+    train_loop,
+)
+from .merge import merge_run
+from .sft import _describe, _heldout_evaluator
+
+BASELINE = "ptq_baseline.json"
+BRANCH_POINT = "qat-branch-point"     # training state where the baseline and QAT part ways (removed after)
+TRAINED = "trained"                   # the float fine-tune: adapter or whole model
+
+
+def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
+    from ..backends.models import resolve_model
+    from ..distributed import current
+    from ..quantization import qat
+
+    started = time.perf_counter()
+    if backend.name == "mlx":
+        raise MudpuppyError("method qat: the mlx backend has no fake quantization (torchao's QAT is torch only); "
+                            "run it with --backend cpu (or cuda / rocm)")
+    if current().distributed:
+        raise MudpuppyError("method qat runs in one process for now (start it without --nproc / torchrun)")
+    spec = qat.QatSpec.from_config(cfg.qat)
+    qat.check_adapter(cfg.adapter)
+    # -- setup: data and group-size problems surface before any model loads or anything is written
+    loaded = load_data(cfg, "sft")
+    resolved = resolve_model(cfg.model.base_model, cfg.model.revision, cfg.model.trust_remote_code)
+    qat.check_group_size(resolved.path, spec, cfg.model.trust_remote_code)
+    out, resume_from = outputs.start_output_dir(cfg, overwrite)
+    backend.seed(cfg.training.seed)
+    handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
+    data = prepare_sft_data(cfg, handle.tokenizer, loaded)
+    rep = data.report
+    echo(f"data: {rep.train_examples} train / {rep.val_examples} held-out examples, "
+         f"{rep.loss_token_share:.0%} of tokens carry loss, {rep.truncated} truncated, {rep.dropped} dropped")
+    state = LoopState()
+    if cfg.eval.before_training and data.val and resume_from is None:
+        before = evaluate(backend, handle, data, cfg.eval)
+        state.before = before.as_dict()
+        echo(f"before training: {_describe(before)}")
+
+    info = backend.attach_adapter(handle, cfg.adapter)
+    echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters")
+    layers = qat.prepare_qat(handle.model, spec)
+    start_fq = cfg.qat.fake_quant_after_n_steps or 0
+    echo(f"qat: {layers.describe()}; fake quantization from step {start_fq + 1}")
+    trainer = backend.create_trainer(handle, cfg.training)
+    batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
+    steps = total_steps_for(cfg, batcher)
+    held_out = _heldout_evaluator(cfg, backend, handle, data) if data.val else None
+    measured = bool(data.val) and cfg.eval.after_training
+
+    # -- the PTQ baseline, then the loop with fake quantization
+    baseline = None
+    if resume_from is not None:
+        state = restore(cfg, backend, handle, trainer, batcher, resume_from)
+        echo(f"resumed from {resume_from} (step {state.step} of {steps})")
+        baseline = _read_baseline(out) if measured else None
+    elif measured:
+        state, baseline = _ptq_baseline(cfg, backend, handle, trainer, batcher, state, steps, min(start_fq, steps),
+                                         data, out, echo, held_out)
+    save = checkpoint_writer(cfg, backend, handle, trainer, batcher, out)
+    switching = FakeQuantSwitch(trainer, handle.model, state, start_fq)
+    stopped_early = train_loop(cfg, switching, batcher, state, steps, save, out, echo, evaluate=held_out)
+
+    # -- save the float fine-tune, measure it fake-quantized, convert, save and measure the result
+    qat.set_fake_quant(handle.model, True)
+    trained = out / TRAINED
+    _save_trained(cfg, backend, handle, trained)
+    result = RunResult(out, state.step, state.losses, state.lrs, skipped_steps=state.skipped,
+                       stopped_early=stopped_early, model=handle, resumed_from=resumed_step(resume_from))
+    result.before = EvalResult(**state.before) if state.before else None
+    result.tokens_per_second = state.tokens_seen / max(state.train_time, 1e-9)
+    fake = evaluate(backend, handle, data, cfg.eval) if measured else None
+    handle.model = qat.convert_qat(handle.model, layers)
+    size = qat.save_quantized(handle.model, handle.tokenizer, out)
+    echo(f"converted model ({spec.describe()}, {size / 2**20:.1f} MiB) saved to {out}; "
+         f"the fine-tuned float weights to {trained}")
+    if measured:
+        result.after = evaluate(backend, handle, data, cfg.eval)
+        _report(echo, spec, baseline, fake, result.after)
+    if cfg.merge and cfg.adapter.type != "none":
+        merged = merge_run(cfg, backend, str(trained), str(out / "merged"), cfg.merge_dtype, overwrite=True)
+        echo(f"merged float model ({cfg.merge_dtype}) saved to {merged}")
+    result.seconds = time.perf_counter() - started
+    outputs.write_summary(out, run_summary(
+        cfg, result, info, rep.train_examples, rep.val_examples,
+        qat=_qat_summary(cfg, spec, layers, baseline, fake, result.after, size, start_fq, steps, measured)))
+    return result
+
+
+class FakeQuantSwitch:
+    """The trainer, with fake quantization switched on before each step from `start` on (off before it,
+    and throughout when `enabled` is False: the PTQ baseline's fine-tune)."""
+
+    def __init__(self, trainer, model, state: LoopState, start: int, enabled: bool = True):
+        self.trainer, self.model, self.state, self.start, self.enabled = trainer, model, state, start, enabled
+
+    def step(self, micro_batches, lr, objective=None):
+        from ..quantization.qat import set_fake_quant
+
+        set_fake_quant(self.model, self.enabled and self.state.step >= self.start)
+        return self.trainer.step(micro_batches, lr, objective)
+
+    def __getattr__(self, name):
+        return getattr(self.trainer, name)
+
+
+class _Pause(Exception):
+    """Raised by `PausingBatcher` to end a loop at the branch point, before a batch is drawn."""
+
+
+class PausingBatcher:
+    """The batcher, refusing to hand out the batches of step `pause_at` (0-based) and after: the loop
+    then stops with the data position exactly where the next step would start."""
+
+    def __init__(self, batcher, state: LoopState, pause_at: int):
+        self.batcher, self.state, self.pause_at = batcher, state, pause_at
+
+    def next_batch(self):
+        if self.state.step >= self.pause_at:
+            raise _Pause
+        return self.batcher.next_batch()
+
+    def __getattr__(self, name):
+        return getattr(self.batcher, name)
+
+
+def _ptq_baseline(cfg, backend, handle, trainer, batcher, state, steps, branch_at, data, out, echo, held_out):
+    """Train to `branch_at` (shared), keep the state, fine-tune on without fake quantization, measure it
+    in float and round-to-nearest, then go back to the kept state. Returns (state at the branch, numbers)."""
+    from ..quantization.qat import set_fake_quant
+
+    quiet = cfg.model_copy(update={"training": cfg.training.model_copy(update={"save_steps": None})})
+
+    def no_checkpoint(_state):
+        return None
+
+    try:
+        if branch_at:
+            echo(f"steps 1-{branch_at}: shared by QAT and its PTQ baseline (fake quantization starts after them)")
+            try:
+                train_loop(quiet, FakeQuantSwitch(trainer, handle.model, state, 0, enabled=False),
+                           PausingBatcher(batcher, state, branch_at), state, steps, no_checkpoint, out, echo,
+                           evaluate=held_out)
+            except _Pause:
+                pass
+        point = out / BRANCH_POINT
+        point.mkdir(exist_ok=True)
+        backend.save_training_state(handle, trainer, str(point))
+        kept = copy.deepcopy(state.as_dict(batcher))     # phase two appends to the same loss lists
+        echo(f"PTQ baseline: fine-tuning steps {state.step + 1}-{steps} without fake quantization")
+        stopped = train_loop(quiet, FakeQuantSwitch(trainer, handle.model, state, 0, enabled=False), batcher, state,
+                             steps, no_checkpoint, out, echo, evaluate=held_out)
+    except Interrupted:
+        raise Interrupted("interrupted during the PTQ baseline, before QAT's own steps; no checkpoint is written "
+                          "until they start: run again with --overwrite") from None
+    set_fake_quant(handle.model, False)
+    plain = evaluate(backend, handle, data, cfg.eval)
+    set_fake_quant(handle.model, True)
+    ptq = evaluate(backend, handle, data, cfg.eval)
+    set_fake_quant(handle.model, False)
+    baseline = {"steps": state.step, "stopped_early": stopped,
+                "final_train_loss": state.losses[-1] if state.losses else None,
+                "fine_tuned": plain.as_dict(), "ptq": ptq.as_dict()}
+    outputs.write_json_atomic(out / BASELINE, baseline)
+    echo(f"PTQ baseline: fine-tuned (float) {_describe(plain)}; round-to-nearest {_describe(ptq)}")
+    backend.load_training_state(handle, trainer, str(point))
+    batcher.load_state_dict(kept["batcher"])
+    shutil.rmtree(point)
+    return LoopState.from_dict(kept), baseline
+
+
+def _read_baseline(out):
+    path = out / BASELINE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _save_trained(cfg, backend, handle, path) -> None:
+    """What SFT would save in output_dir (the adapter and tokenizer, or the whole model), in `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    if cfg.adapter.type == "none":
+        backend.save_model(handle, str(path))    # fake quantizers hold no tensors: the state dict is the model's
+    else:
+        backend.save_adapter(handle, str(path))
+        handle.tokenizer.save_pretrained(str(path))
+
+
+def _report(echo, spec, baseline, fake, converted) -> None:
+    def loss(ev):
+        value = ev.get("loss") if isinstance(ev, dict) else getattr(ev, "loss", None)
+        return "n/a" if value is None else f"{value:.4f}"
+
+    plain = baseline["fine_tuned"] if baseline else None
+    ptq = baseline["ptq"] if baseline else None
+    echo(f"held-out loss ({spec.describe()}): fine-tuned float {loss(plain) if plain else 'not measured'}, "
+         f"PTQ round-to-nearest {loss(ptq) if ptq else 'not measured'}, QAT fake-quantized {loss(fake)}, "
+         f"QAT converted {loss(converted)}")
+    if baseline is None:
+        echo("PTQ baseline not measured: this run resumed from a checkpoint written without one")
+    echo(f"after conversion: {_describe(converted)}")
+
+
+def _qat_summary(cfg, spec, layers, baseline, fake, converted, size, start_fq, steps, measured) -> dict:
+    def numbers(ev):
+        ev = ev.as_dict() if hasattr(ev, "as_dict") else ev
+        return None if ev is None else {k: v for k, v in ev.items() if k != "examples"}
+
+    return {
+        "weight_bits": spec.weight_bits, "group_size": spec.group_size, "activations": spec.activations,
+        "fake_quant_after_n_steps": start_fq, "steps_with_fake_quant": max(0, steps - start_fq),
+        "quantized_layers": len(layers.names()), "converted_bytes": size,
+        "ptq_baseline_run": None if baseline is None else {
+            k: baseline[k] for k in ("steps", "stopped_early", "final_train_loss")},
+        "heldout": None if not measured else {
+            "fine_tuned_float": numbers(baseline["fine_tuned"] if baseline else None),
+            "ptq_round_to_nearest": numbers(baseline["ptq"] if baseline else None),
+            "qat_fake_quantized": numbers(fake),
+            "qat_converted": numbers(converted),
+        },
+    }
