@@ -1,0 +1,48 @@
+"""MLX: an mlx-lm model directory, made by mlx-lm's own converter (`mlx_lm.convert`) from the merged
+model, optionally quantized by it (q4, q8: mlx-lm's affine quantization, groups of 64)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+from ..errors import MudpuppyError
+
+QUANTS = {"q4": 4, "q8": 8}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+GROUP_SIZE = 64
+
+
+def check_quant(quant: str | None) -> str | None:
+    if quant is None:
+        return None
+    q = quant.lower()
+    if q not in QUANTS:
+        raise MudpuppyError(f"--quant {quant}: MLX export quantizes to {', '.join(QUANTS)} "
+                            "(mlx-lm's affine quantization), or leave --quant out")
+    return q
+
+
+def require_mlx_lm():
+    try:
+        from mlx_lm import convert
+    except ImportError as exc:
+        raise MudpuppyError(f"--format mlx needs mlx-lm, which is not importable here ({exc}); "
+                            "install it with: pip install 'mudpuppy[mlx]'") from exc
+    return convert
+
+
+def convert_to_mlx(model_dir: Path, out_dir: Path, dtype: str, quant: str | None) -> dict:
+    """mlx_lm.convert of `model_dir` into `out_dir` (which must not exist yet)."""
+    convert = require_mlx_lm()
+    bits = QUANTS[quant] if quant else None
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):     # its "[INFO] ..." lines; ours say what happened
+        convert(str(model_dir), mlx_path=str(out_dir), quantize=bits is not None, q_bits=bits,
+                q_group_size=GROUP_SIZE if bits else None, dtype=DTYPES[dtype])
+    config = json.loads((Path(out_dir) / "config.json").read_text(encoding="utf-8"))
+    quantization = config.get("quantization")
+    return {"dtype": DTYPES[dtype], "quantization": quantization,
+            "bytes": sum(f.stat().st_size for f in Path(out_dir).glob("*.safetensors"))}

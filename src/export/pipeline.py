@@ -1,0 +1,191 @@
+"""`mudpuppy export`: one source, one format, one output directory.
+
+Every check that needs no weights runs first (options, the output directory, the source, the
+architecture and tokenizer for GGUF, the chat layout for Ollama, llama-quantize for K-quants,
+mlx-lm for MLX), so a mistake costs seconds, not a merge. The export is written into a hidden
+sibling of --out and renamed into place only once complete: an existing export is replaced
+(with --overwrite) only by a finished one, and a directory that is not a mudpuppy export is
+never cleared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import MudpuppyError, OutputExists
+from ..evaluation.suite import check_chat_template
+from . import gguf as gguf_format
+from . import mlx as mlx_format
+from .chat_layout import LayoutError, TurnLayout, infer_layout, turn_tokens
+from .source import ExportSource, resolve_source
+
+FORMATS = ("merged", "gguf", "ollama", "mlx")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+MARKER = "export.json"
+
+
+@dataclass
+class ExportRequest:
+    source: str
+    format: str
+    out: str
+    dtype: str | None = None          # merged, mlx: bf16 | fp16 | fp32 (default bf16)
+    quant: str | None = None          # gguf, ollama: f16 ... (default f16); mlx: q4 | q8 (default none)
+    overwrite: bool = False
+    base_model: str | None = None     # for an adapter directory that does not name its base
+    chat_template: str | None = None  # for adapters and models without a run config
+    backend: str = "cpu"              # the torch backend that merges
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    files: list[str]
+    record: dict = field(default_factory=dict)
+
+
+def check_options(fmt: str, dtype: str | None, quant: str | None) -> tuple[str | None, str | None]:
+    if fmt not in FORMATS:
+        raise MudpuppyError(f"--format {fmt}: formats are {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise MudpuppyError(f"--dtype {dtype}: use {', '.join(DTYPES)}")
+    if fmt in ("gguf", "ollama"):
+        if dtype is not None:
+            raise MudpuppyError(f"--dtype is for --format merged and mlx; a {fmt} export's precision is its "
+                                f"--quant ({', '.join(gguf_format.QUANTS)})")
+        return None, gguf_format.check_quant(quant or "f16")
+    if fmt == "merged":
+        if quant is not None:
+            raise MudpuppyError("--quant is for --format gguf, ollama and mlx; a merged export is plain "
+                                "16-bit or 32-bit safetensors (--dtype bf16, fp16 or fp32)")
+        return dtype or "bf16", None
+    return dtype or "bf16", mlx_format.check_quant(quant)
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise OutputExists(f"--out {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise OutputExists(f"--out {out} already exists and is not empty; pass --overwrite to replace it "
+                               "or choose another --out")
+        if not (out / MARKER).is_file():
+            raise OutputExists(f"--out {out} is not empty and does not look like a mudpuppy export (no {MARKER}); "
+                               "refusing to clear it even with --overwrite")
+
+
+def export_model(req: ExportRequest, echo=print) -> ExportResult:
+    dtype, quant = check_options(req.format, req.dtype, req.quant)
+    out = Path(req.out).expanduser()
+    check_out(out, req.overwrite)
+    check_chat_template(req.chat_template)
+    src = resolve_source(req.source, req.base_model, req.chat_template)
+    if req.chat_template and src.kind == "run":
+        raise MudpuppyError("--chat-template: a run exports the chat template it trained with "
+                            f"(data.chat_template in {req.source}/config.yaml); leave the option out")
+    echo(f"source: {src.describe()}")
+    tokenizer = src.load_tokenizer()
+    layout = preflight(src, req.format, quant, tokenizer)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"
+    work = out.parent / f".{out.name}.work-{os.getpid()}"
+    for leftover in (staging, work):
+        shutil.rmtree(leftover, ignore_errors=True)
+    started = time.monotonic()
+    try:
+        work.mkdir()
+        src.dequantize_into(work, echo)
+        record = write_format(req.format, src, tokenizer, layout, dtype, quant, staging, work, req.backend, echo)
+        record.update(source=req.source, source_kind=src.kind, described=src.describe(), format=req.format,
+                      seconds=round(time.monotonic() - started, 1))
+        files = sorted(p.name for p in staging.iterdir())
+        record["files"] = files + [MARKER]
+        (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        publish(staging, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+    return ExportResult(out, record["files"], record)
+
+
+def preflight(src: ExportSource, fmt: str, quant: str | None, tokenizer) -> TurnLayout | None:
+    """What can fail without loading weights; returns the chat layout (Ollama needs one; GGUF uses it
+    for the end-of-turn id when the template has one)."""
+    config = src.model_config()
+    where = str(src.model_dir())
+    if fmt in ("gguf", "ollama"):
+        gguf_format.family_of(config, where)
+        from .gguf_vocab import byte_level_pre, tokenizer_kind, tokenizer_spec
+
+        spec = tokenizer_spec(tokenizer)
+        if tokenizer_kind(spec) == "gpt2":
+            byte_level_pre(spec)
+        gguf_format.check_k_quant_tool(quant)
+        if fmt == "ollama":
+            return infer_layout(tokenizer, src.given)
+        try:
+            return infer_layout(tokenizer, src.given) if tokenizer.chat_template else None
+        except LayoutError:
+            return None
+    if fmt == "mlx":
+        mlx_format.require_mlx_lm()
+    return None
+
+
+def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, staging: Path, work: Path,
+                 backend_name: str, echo) -> dict:
+    from ..backends import create_backend
+
+    if fmt == "merged":
+        echo(f"merging into plain {DTYPES[dtype]} safetensors")
+        src.merge_into(create_backend(backend_name), staging, DTYPES[dtype])
+        return {"dtype": DTYPES[dtype]}
+    if fmt == "mlx":
+        # Through the backend even without an adapter: the directory mlx-lm reads then carries the
+        # training chat template and the top-level rope_theta mlx-lm needs.
+        echo("merging into float32 for mlx-lm's converter")
+        merged = src.merge_into(create_backend(backend_name), work / "merged", "float32")
+        echo(f"converting with mlx_lm.convert ({DTYPES[dtype]}{', ' + quant if quant else ''})")
+        return {"mlx": mlx_format.convert_to_mlx(merged, staging, dtype, quant)}
+    model_dir = src.plain_dir()
+    if model_dir is None:
+        echo("merging into float32 for the GGUF writer")
+        model_dir = src.merge_into(create_backend(backend_name), work / "merged", "float32")
+    staging.mkdir()
+    name = f"model-{quant}.gguf"
+    echo(f"writing {name}")
+    record = {"gguf": gguf_format.write_gguf(model_dir, tokenizer, tokenizer.chat_template, quant,
+                                             staging / name, src.name, end_of_turn_id(tokenizer, layout))}
+    if fmt == "ollama":
+        from .ollama import modelfile, sampling_parameters, stop_words
+
+        params = sampling_parameters(model_dir)
+        (staging / "Modelfile").write_text(modelfile(name, tokenizer, layout, params, src.given), encoding="utf-8")
+        record["ollama"] = {"stop": stop_words(tokenizer, layout), "system": layout.default_system,
+                            "parameters": params}
+    return record
+
+
+def end_of_turn_id(tokenizer, layout: TurnLayout | None) -> int | None:
+    """The token that closes an assistant turn in the training template: llama.cpp stops on it."""
+    if layout is None:
+        return None
+    ends, _ = turn_tokens(tokenizer, layout)
+    return tokenizer.convert_tokens_to_ids(ends[0]) if ends else None
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Move the finished export into place; a replaced export is removed only after that."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+    os.rename(staging, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

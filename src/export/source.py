@@ -1,0 +1,161 @@
+"""What `mudpuppy export SOURCE` exports, found before any weights load.
+
+SOURCE is what `mudpuppy eval` takes as a target (evaluation/targets.py finds it the same way):
+
+    run directory      config.yaml beside the adapter (LoRA, DoRA, QLoRA) or the whole model: the
+                       run's base, its tokenizer and the chat template it trained with
+    adapter directory  adapter_config.json, on the base it names (or --base-model)
+    model directory    config.json: a merged, fully fine-tuned or plain causal LM
+    model alias        smollm2-135m-instruct, a .gguf file, or a Hugging Face Hub id
+
+A base or model directory whose config.json declares a `quantization_config` (a GPTQ output,
+for instance) is first dequantized into plain float32 weights by the dequantizer registered for
+its `quant_method` (DEQUANTIZERS); an adapter then merges into those weights, exactly as it
+trained on them. Merging goes through the backend protocol (`merge_and_save`), so a QLoRA
+adapter merges into the dequantized base it learned on, never into 4-bit weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from ..backends.models import MODEL_ALIASES, looks_like_local_path, patch_rope_theta, resolve_model
+from ..config import load_config
+from ..errors import MudpuppyError
+from ..evaluation.targets import (ADAPTER_CONFIG, MODEL_CONFIG, RUN_CONFIG, Column, adapter_column, model_column,
+                                  run_column)
+from .gptq import dequantize_gptq_dir
+
+# quant_method -> writes a plain float32 model directory (config.json without quantization_config,
+# *.safetensors, the tokenizer files) from a quantized one: fn(source_dir, target_dir).
+Dequantizer = Callable[[Path, Path], None]
+DEQUANTIZERS: dict[str, Dequantizer] = {"gptq": dequantize_gptq_dir}
+
+
+def register_dequantizer(quant_method: str, fn: Dequantizer) -> None:
+    """Teach export to read checkpoints of `quant_method` (e.g. a QAT output's own format)."""
+    DEQUANTIZERS[quant_method] = fn
+
+
+class SourceError(MudpuppyError):
+    """A SOURCE that is not a run, adapter or model, or one export cannot write."""
+
+
+WHAT_A_SOURCE_IS = (f"SOURCE is a run directory (holding {RUN_CONFIG}), an adapter directory ({ADAPTER_CONFIG}), "
+                    f"a model directory ({MODEL_CONFIG}), a .gguf file, a model alias "
+                    f"({', '.join(MODEL_ALIASES)}) or a Hugging Face Hub id")
+
+
+@dataclass
+class ExportSource:
+    given: str
+    kind: str                      # run | adapter | model
+    column: Column                 # what to load, and how (evaluation.targets)
+    name: str                      # a short name for the files' metadata
+
+    @property
+    def cfg(self):
+        return self.column.cfg
+
+    @property
+    def has_adapter(self) -> bool:
+        return self.column.has_adapter
+
+    def describe(self) -> str:
+        return self.column.describe()
+
+    def model_dir(self) -> Path:
+        """The local directory of the weights to load (the base, for an adapter)."""
+        m = self.cfg.model
+        return resolve_model(m.base_model, m.revision, m.trust_remote_code).path
+
+    def tokenizer_source(self) -> str:
+        return self.cfg.model.tokenizer or str(self.model_dir())
+
+    def load_tokenizer(self):
+        """The tokenizer the model trained with, its chat template installed (a run's own choice)."""
+        from transformers import AutoTokenizer
+
+        from ..data.templates import apply_chat_template_choice
+
+        tok = AutoTokenizer.from_pretrained(self.tokenizer_source(),
+                                            trust_remote_code=self.cfg.model.trust_remote_code)
+        apply_chat_template_choice(tok, self.cfg.data.chat_template)
+        return tok
+
+    def model_config(self) -> dict:
+        return json.loads((self.model_dir() / MODEL_CONFIG).read_text(encoding="utf-8"))
+
+    def dequantize_into(self, staging: Path, echo) -> None:
+        """A quantized base or model is replaced, for this export, by its dequantized copy in `staging`."""
+        path = self.model_dir()
+        quant = self.model_config().get("quantization_config")
+        if not quant:
+            return
+        method = quant.get("quant_method", "?")
+        fn = DEQUANTIZERS.get(method)
+        if fn is None:
+            raise SourceError(f"{path}: its config.json declares quantization_config.quant_method {method!r}, which "
+                              f"export cannot dequantize; readable: {', '.join(sorted(DEQUANTIZERS))}")
+        target = staging / "dequantized"
+        echo(f"dequantizing the {method} weights of {path} to float32")
+        fn(path, target)
+        model = self.cfg.model.model_copy(update={"base_model": str(target)})
+        if self.cfg.model.tokenizer is None:
+            model = model.model_copy(update={"tokenizer": str(path)})
+        self.column = replace(self.column, cfg=self.cfg.model_copy(update={"model": model}))
+
+    def plain_dir(self) -> Path | None:
+        """The model directory itself when it can be written without loading it (no adapter to merge,
+        not quantized), else None."""
+        if self.has_adapter or self.model_config().get("quantization_config"):
+            return None
+        return self.model_dir()
+
+    def merge_into(self, backend, path: Path, dtype: str) -> Path:
+        """The model with its adapter folded in, saved as plain safetensors at `dtype` (float32,
+        bfloat16, float16) with the training tokenizer and chat template."""
+        from ..data.templates import apply_chat_template_choice
+
+        handle = self.column.load(backend, "fp32")
+        apply_chat_template_choice(handle.tokenizer, self.cfg.data.chat_template)
+        backend.merge_and_save(handle, str(path), dtype)
+        patch_config_for_runtimes(path)
+        return path
+
+
+def patch_config_for_runtimes(model_dir: Path) -> None:
+    """rope_theta at the top level of config.json too (transformers 5 nests it; mlx-lm reads it there)."""
+    path = Path(model_dir) / MODEL_CONFIG
+    config = json.loads(path.read_text(encoding="utf-8"))
+    patched = patch_rope_theta(config)
+    if patched != config:
+        path.write_text(json.dumps(patched, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def resolve_source(source: str, base_model: str | None = None, chat_template: str | None = None) -> ExportSource:
+    path = Path(source).expanduser()
+    name = path.name if path.exists() else source
+    name = name.removesuffix(".gguf") or source
+    if path.is_dir():
+        if (path / RUN_CONFIG).is_file():
+            cfg = load_config(path / RUN_CONFIG, check_files=False)
+            if cfg.method in ("rm", "prm"):
+                raise SourceError(f"{source}: a reward model run (method {cfg.method}) scores sequences; export writes "
+                                  "causal language models")
+            return ExportSource(source, "run", run_column(source, path), name)
+        if (path / ADAPTER_CONFIG).is_file():
+            return ExportSource(source, "adapter", adapter_column(source, path, base_model, chat_template), name)
+        if (path / MODEL_CONFIG).is_file():
+            return ExportSource(source, "model", model_column(source, str(path), chat_template), name)
+        raise SourceError(f"{source}: a directory, but not a run, an adapter or a model; {WHAT_A_SOURCE_IS}")
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise SourceError(f"{source}: a file, not a model; {WHAT_A_SOURCE_IS}")
+    # A path that is not there (its parent is, or it is spelled as a path), rather than a Hub id.
+    if not path.exists() and (looks_like_local_path(source) or path.parent.name and path.parent.is_dir()):
+        raise SourceError(f"{source}: no such file or directory ({path.resolve()}); {WHAT_A_SOURCE_IS}")
+    # An alias, a .gguf file or a Hub id: resolved (converted once, cached) when the model is first needed.
+    return ExportSource(source, "model", model_column(source, source, chat_template), name)

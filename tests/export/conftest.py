@@ -1,0 +1,62 @@
+"""A two-step LoRA run of the tiny model (trained through the CLI, with a chat template that is not
+the tokenizer's own), its merge by plain PEFT as the oracle, and the export command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from mudpuppy.cli import main
+
+from ..conftest import tiny_run_config
+
+# The run trains with zephyr's layout; the tiny tokenizer's own template is chatml.
+RUN_TEMPLATE = "zephyr"
+
+
+def mudpuppy(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="session")
+def lora_run(tiny_model_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("export-run")
+    cfg = tiny_run_config(tiny_model_dir, root / "run")
+    cfg["training"].update(max_steps=2, learning_rate=5e-2)
+    cfg["eval"] = {"before_training": False, "after_training": False}
+    cfg["data"].update(cache=False, chat_template=RUN_TEMPLATE)
+    (root / "run.yaml").write_text(yaml.safe_dump(cfg))
+    done = mudpuppy("run", "-c", root / "run.yaml")
+    assert done.exit_code == 0, done.output
+    return root / "run"
+
+
+@pytest.fixture(scope="session")
+def peft_merged(tiny_model_dir, lora_run):
+    """The run's adapter folded into the base by PEFT alone, in float32, with the run's tokenizer."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(lora_run)).merge_and_unload().eval()
+    return model, AutoTokenizer.from_pretrained(str(lora_run))
+
+
+def logits(model, ids) -> "object":
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+
+
+def greedy(model, ids, n: int, stop: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, eos_token_id=[stop], pad_token_id=stop)
+    return out[0, len(ids):].tolist()

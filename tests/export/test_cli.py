@@ -1,0 +1,119 @@
+"""`mudpuppy export` from the command line: a merged run equals PEFT's merge, earlier work is protected,
+and every bad input ends with one message and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from ..conftest import build_tokenizer
+from .conftest import mudpuppy
+
+
+def one_error(result, *needles: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.output
+    for needle in needles:
+        assert needle in result.output, result.output
+
+
+def test_a_merged_export_of_a_run_equals_the_peft_merge_and_is_protected(lora_run, peft_merged, tmp_path):
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "merged"
+    done = mudpuppy("export", lora_run, "--format", "merged", "--out", out, "--dtype", "fp32")
+    assert done.exit_code == 0, done.output
+    model, tok = peft_merged
+    weights = load_file(str(out / "model.safetensors"))
+    for name, value in model.state_dict().items():
+        if name in weights:
+            np.testing.assert_allclose(weights[name], value.numpy(), atol=1e-6, rtol=0)
+    assert "model.layers.0.self_attn.q_proj.weight" in weights and not any("lora" in k for k in weights)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["rope_theta"] > 0
+    record = json.loads((out / "export.json").read_text())
+    assert record["format"] == "merged" and record["dtype"] == "float32" and "model.safetensors" in record["files"]
+    assert (out / "chat_template.jinja").read_text() == tok.chat_template
+
+    one_error(mudpuppy("export", lora_run, "--format", "merged", "--out", out), "--overwrite")
+    again = mudpuppy("export", lora_run, "--format", "merged", "--out", out, "--dtype", "bf16", "--overwrite")
+    assert again.exit_code == 0, again.output
+    assert json.loads((out / "export.json").read_text())["dtype"] == "bfloat16"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]      # no staging left behind
+
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "todo.txt").write_text("mine")
+    one_error(mudpuppy("export", lora_run, "--format", "gguf", "--out", foreign, "--overwrite"), "refusing")
+    assert (foreign / "todo.txt").read_text() == "mine"
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A tiny GPT-2: a causal LM the GGUF writer does not map."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("gpt2")
+    tok = build_tokenizer(path)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def test_bad_inputs_end_with_one_clear_message(tiny_model_dir, gpt2_dir, tmp_path):
+    out = tmp_path / "out"
+    bad_format = mudpuppy("export", tiny_model_dir, "--format", "onnx", "--out", out)
+    assert bad_format.exit_code == 2 and "Invalid value for '--format'" in bad_format.output
+    one_error(mudpuppy("export", gpt2_dir, "--format", "gguf", "--out", out),
+              "GPT2LMHeadModel", "supported architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM")
+    one_error(mudpuppy("export", tiny_model_dir, "--format", "gguf", "--out", out, "--quant", "q5_1"),
+              "q8_0", "q4_k_m")
+    one_error(mudpuppy("export", tiny_model_dir, "--format", "gguf", "--out", out, "--dtype", "fp16"), "--quant")
+    one_error(mudpuppy("export", tiny_model_dir, "--format", "merged", "--out", out, "--quant", "q8_0"), "--dtype")
+    one_error(mudpuppy("export", tiny_model_dir, "--format", "mlx", "--out", out, "--quant", "q3"), "q4, q8")
+    one_error(mudpuppy("export", tmp_path / "missing", "--format", "gguf", "--out", out), "no such file")
+    one_error(mudpuppy("export", tiny_model_dir, "--format", "ollama", "--out", out, "--chat-template", "nope"),
+              "--chat-template")
+    assert not out.exists()
+
+
+def test_k_quants_need_an_installed_llama_quantize(tiny_model_dir, tmp_path):
+    empty = tmp_path / "bin-empty"
+    empty.mkdir()
+    out = tmp_path / "k"
+    args = ("export", tiny_model_dir, "--format", "gguf", "--out", out, "--quant")
+    one_error(mudpuppy_with_path(str(empty), *args, "q4_k_m"), "llama-quantize", "on PATH")
+    assert not out.exists()
+
+    # With one on PATH, the f16 file is handed to it as `llama-quantize IN OUT TYPE`. This stand-in
+    # records its arguments and copies IN to OUT.
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    script = tools / "llama-quantize"
+    script.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "args.txt"}\ncp "$1" "$2"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    done = mudpuppy_with_path(os.pathsep.join([str(tools), "/usr/bin", "/bin"]), *args, "Q4_K_M")
+    assert done.exit_code == 0, done.output
+    source, target, kind = (tmp_path / "args.txt").read_text().split()
+    assert kind == "Q4_K_M" and target.endswith("model-q4_k_m.gguf") and source.endswith(".f16.tmp.gguf")
+    assert sorted(p.name for p in out.iterdir()) == ["export.json", "model-q4_k_m.gguf"]
+    import gguf
+
+    reader = gguf.GGUFReader(str(out / "model-q4_k_m.gguf"))
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_F16)
+
+
+def mudpuppy_with_path(path: str, *args):
+    from click.testing import CliRunner
+
+    from mudpuppy.cli import main
+
+    return CliRunner(env={"PATH": path}).invoke(main, [str(a) for a in args])
