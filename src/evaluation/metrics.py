@@ -4,6 +4,8 @@
     exact_match   greedy answer equals the reference turn           } answers generated once,
     contains      the reference appears in the greedy answer        } normalised with strip and
     regex         --regex extracts the reference from the answer    } casefold (see normalize_answer)
+    voice_fidelity  mean cosine similarity of the greedy answers and the references under a sentence-
+                  embedding model (voice.py); reads conversations, and pairs (the chosen answer)
     preference    share of pairs whose chosen answer has the higher summed log-prob, and the mean
                   implicit-reward margin beta * (log-ratio chosen - log-ratio rejected), the ratio
                   taken against the same model with its adapter off
@@ -52,8 +54,11 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("regex", GENERATION_FORMATS, (Row("regex", "regex", "percent", True),)),
     Metric("preference", ("preference",), (Row("preference_accuracy", "preference accuracy", "percent", True),
                                            Row("reward_margin", "reward margin", "signed", True))),
+    Metric("voice_fidelity", GENERATION_FORMATS + ("preference",),
+           (Row("voice_fidelity", "voice fidelity", "number", True),)),
 )}
 GENERATION = ("exact_match", "contains", "regex")
+ANSWERING = GENERATION + ("voice_fidelity",)          # metrics that need the model's greedy answers
 
 
 def parse_metrics(text: str) -> list[str]:
@@ -69,7 +74,7 @@ def default_metrics(fmt: str, regex: str | None) -> list[str]:
     """What a data format supports, when --metrics is not given."""
     if fmt in GENERATION_FORMATS:
         return ["perplexity", "exact_match"] + (["regex"] if regex else [])
-    return [name for name, m in METRICS.items() if fmt in m.formats and name not in GENERATION]
+    return [name for name, m in METRICS.items() if fmt in m.formats and name not in ANSWERING]
 
 
 def check_metrics(metrics: list[str], fmt: str, where: str, regex: str | None) -> None:

@@ -8,6 +8,7 @@ it they are skipped with one line, and everything else is written.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -105,12 +106,13 @@ def as_json(report, charts: list[str]) -> dict:
     opts = report.options
     return {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "data": {"path": report.data, "format": report.format, "records": report.records},
+        "data": {"path": report.data, "format": report.format, "records": report.records} if report.data else None,
         "metrics": report.metrics,
+        "tasks": opts.tasks,
         "backend": report.backend, "device": report.device,
         "options": {"precision": opts.precision, "max_samples": opts.max_samples, "batch_size": opts.batch_size,
                     "max_new_tokens": opts.max_new_tokens, "normalize": normalize_names(opts),
-                    "regex": opts.regex, "beta": opts.beta},
+                    "regex": opts.regex, "beta": opts.beta, **voice_options(report), **task_options(opts)},
         "rows": [asdict(row) for row in report.rows],
         "models": [{"name": m.name, "target": m.target, "kind": m.kind, "description": m.description,
                     "values": m.values, "details": m.details, "answers": m.answers, "misses": m.misses,
@@ -124,18 +126,45 @@ def normalize_names(opts) -> list[str]:
     return [name for name, on in (("strip", opts.strip), ("casefold", opts.casefold)) if on]
 
 
+def voice_options(report) -> dict:
+    if "voice_fidelity" not in report.metrics:
+        return {}
+    from .voice import resolve_embedding_model
+
+    model = resolve_embedding_model(report.options.embedding_model)
+    return {"embedding_model": model.name, "embedding_model_path": model.path}
+
+
+def task_options(opts) -> dict:
+    if not opts.tasks:
+        return {}
+    return {"include_path": opts.include_path, "tasks_chat_template": opts.tasks_chat_template,
+            "task_limit": opts.max_samples}
+
+
 def markdown(report, charts: list[str]) -> str:
     opts = report.options
-    lines = [f"# Evaluation on {report.data}", "",
-             f"{report.records} {report.format} records; backend {report.backend}"
+    what = f"{report.records} {report.format} records" if report.data else f"lm-eval tasks {', '.join(opts.tasks)}"
+    lines = [f"# Evaluation on {report.data or ', '.join(opts.tasks)}", "",
+             f"{what}; backend {report.backend}"
              + (f" ({report.device})" if str(report.device) != report.backend else "")
              + f", precision {opts.precision}.", "", markdown_table(report), ""]
-    lines += [f"- **{m.name}**: {m.description} ({m.details.get('examples', 0)} examples, {m.seconds:.0f} s)"
+    lines += [f"- **{m.name}**: {m.description} ("
+              + (f"{m.details['examples']} examples, " if m.details.get("examples") else "") + f"{m.seconds:.0f} s)"
               for m in report.models]
     if any(row.key in ("exact_match", "contains", "regex") for row in report.rows):
         lines += ["", f"Answers: greedy, at most {opts.max_new_tokens} new tokens; compared after "
                       f"{' and '.join(normalize_names(opts)) or 'no'} normalisation"
                       + (f"; regex `{opts.regex}`" if opts.regex else "") + "."]
+    if "voice_fidelity" in report.metrics:
+        lines += ["", f"Voice fidelity: the mean cosine similarity of each greedy answer (at most "
+                      f"{opts.max_new_tokens} new tokens) with its reference, embedded by "
+                      f"{voice_options(report)['embedding_model']}."]
+    if opts.tasks:
+        lines += ["", f"lm-evaluation-harness tasks {', '.join(opts.tasks)}"
+                      + (f" from {opts.include_path}" if opts.include_path else "")
+                      + (f", the first {opts.max_samples} documents of each" if opts.max_samples else "")
+                      + (", prompts through the chat template" if opts.tasks_chat_template else "") + "."]
     lines += [""] + [f"![{name}]({name})" for name in charts]
     missed = [m for m in report.models if m.misses]
     if missed:
@@ -143,6 +172,12 @@ def markdown(report, charts: list[str]) -> str:
                   "| --- | --- | --- |"]
         lines += [f"| {m.name} | {cell(row['reference'])} | {cell(row['answer'])} |"
                   for m in missed for row in m.misses]
+    lowest = [m for m in report.models if m.details.get("voice_fidelity_lowest")]
+    if lowest:
+        lines += ["", "## Least similar answers (voice fidelity, per model)", "",
+                  "| model | similarity | reference | answer |", "| --- | ---: | --- | --- |"]
+        lines += [f"| {m.name} | {row['similarity']:.4f} | {cell(row['reference'])} | {cell(row['answer'])} |"
+                  for m in lowest for row in m.details["voice_fidelity_lowest"]]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -150,6 +185,11 @@ def cell(text: str) -> str:
     """Text inside a Markdown table cell: one line, pipes escaped, code-quoted so markup shows as written."""
     flat = " ".join(text.split()).replace("|", "\\|").replace("`", "'")
     return f"`{flat}`" if flat else "(empty)"
+
+
+def chart_name(key: str) -> str:
+    """A row key as a file name: lm-eval rows ("arc_easy:acc") keep letters, digits, '_', '-' and '.'."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
 
 
 def write_charts(report, out: Path) -> list[str] | None:
@@ -174,7 +214,7 @@ def write_charts(report, out: Path) -> list[str] | None:
         else:
             ax.margins(y=0.15)
         ax.spines[["top", "right"]].set_visible(False)
-        name = f"{row.key}.png"
+        name = f"{chart_name(row.key)}.png"
         fig.savefig(out / name, dpi=120)
         written.append(name)
     return written

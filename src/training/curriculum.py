@@ -25,7 +25,10 @@ fine-tuning, from stage N's saved model. Each stage is checked whole before
 anything trains, problems named by stage (`stages.1.backend: ...`). A
 finished stage is never run again; an interrupted one resumes from its
 newest checkpoint (or starts over when it had none). After every stage its
-held-out numbers join `curriculum.json` and `curriculum.md`.
+held-out numbers (and, with `eval.voice_fidelity`, the voice fidelity of its
+answers before and after, evaluation/trained.py) join `curriculum.json` and
+`curriculum.md`, with a PNG per metric across stages (`curriculum_<metric>.png`,
+when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -42,10 +45,12 @@ from pydantic import ValidationError
 
 from ..config import ConfigError, Issue, RunConfig, _missing_files, _pydantic_issues, _read_yaml, read_source
 from ..errors import MudpuppyError, OutputExists
+from ..evaluation import trained
 from . import outputs
 
 STATE = "curriculum.json"
 REPORT = "curriculum.md"
+CHART = "curriculum_{}.png"
 # What a stage may change; the model and adapter carry through, the output directory is the curriculum's.
 STAGE_KEYS = {"name", "method", "backend", "devices", "data", "training", "eval", "preference", "grpo", "memory",
               "logging", "merge", "merge_dtype"}
@@ -134,6 +139,7 @@ def load_curriculum(source, overrides: list[str] | tuple[str, ...] = (), check_f
             continue
         if check_files:
             issues += [Issue(f"{where}.{i_.path}", i_.message) for i_ in _missing_files(cfg)]
+        issues += [Issue(f"{where}.{path}", message) for path, message in trained.check_trained_metrics(cfg)]
         built.append(Stage(i + 1, name, cfg, Path(cfg.output_dir)))
     if issues:
         raise ConfigError(origin, [str(i) for i in issues])
@@ -178,6 +184,11 @@ def run_curriculum(cur: Curriculum, overwrite: bool = False, echo=print, backend
         done = stage.dir / outputs.SUMMARY
         if done.is_file():
             echo(f"== {stage.label}: finished earlier, skipped")
+            if trained.trained_metrics(stage.cfg) and not trained.is_measured(stage.dir):
+                # stopped between training and its measurement: measure what the stage saved
+                trained.measure_trained(stage.cfg, backend_for(stage.cfg), echo=echo)
+                rows = _with_row(rows, _row(stage, _ran_on(rows, stage)))
+                _write_state(out, cur, rows, finished=False)
             continue
         from .checkpoints import newest_checkpoint
 
@@ -187,9 +198,11 @@ def run_curriculum(cur: Curriculum, overwrite: bool = False, echo=print, backend
         echo(f"== {stage.label}: {_describe(cfg)} on {backend.name}"
              + (f", resuming from {checkpoint.name}" if checkpoint else ""))
         # A stage that died before its first checkpoint starts over; its directory is one of ours.
-        run_one(cfg, backend, overwrite=checkpoint is None and stage.dir.exists(), echo=echo)
-        rows = sorted([r for r in rows if r["stage"] != stage.index] + [_row(stage, backend.name)],
-                      key=lambda r: r["stage"])
+        finished = run_one(cfg, backend, overwrite=checkpoint is None and stage.dir.exists(), echo=echo)
+        if trained.trained_metrics(cfg):
+            trained.measure_trained(cfg, backend, finished, echo=echo)     # the trained model, then the start
+        del finished
+        rows = _with_row(rows, _row(stage, backend.name))
         _write_state(out, cur, rows, finished=False)
         result.ran.append(stage.label)
     ran_on = {r["stage"]: r["backend"] for r in rows}
@@ -198,6 +211,14 @@ def run_curriculum(cur: Curriculum, overwrite: bool = False, echo=print, backend
     result.rows = rows
     echo(report_table(rows))
     return result
+
+
+def _with_row(rows: list[dict], row: dict) -> list[dict]:
+    return sorted([r for r in rows if r["stage"] != row["stage"]] + [row], key=lambda r: r["stage"])
+
+
+def _ran_on(rows: list[dict], stage: Stage) -> str:
+    return next((r["backend"] for r in rows if r["stage"] == stage.index), stage.cfg.backend)
 
 
 def _describe(cfg: RunConfig) -> str:
@@ -246,10 +267,12 @@ def _read_state(out: Path) -> dict:
 def _row(stage: Stage, backend: str) -> dict:
     """One stage's line of the report: what it ran, where, and its held-out numbers before and after."""
     summary = json.loads((stage.dir / outputs.SUMMARY).read_text(encoding="utf-8"))
+    suite = trained.read_measured(stage.dir)       # eval.voice_fidelity: before and after the stage
     return {"stage": stage.index, "name": stage.name, "method": _describe(stage.cfg).split(",")[0],
             "backend": backend, "steps": summary.get("steps"), "final_loss": summary.get("final_loss"),
             "seconds": summary.get("seconds"), "dir": str(stage.dir),
-            "before": _numbers(summary.get("eval_before")), "after": _numbers(summary.get("eval_after"))}
+            "before": {**_numbers(summary.get("eval_before")), **suite.get("before", {})},
+            "after": {**_numbers(summary.get("eval_after")), **suite.get("after", {})}}
 
 
 def _numbers(evaluation: dict | None) -> dict:
@@ -272,19 +295,27 @@ def _is_number(value) -> bool:
 
 
 def _write_state(out: Path, cur: Curriculum, rows: list[dict], finished: bool) -> None:
+    previous = _read_state(out)
+    charts = previous.get("charts")
+    if not (charts and _same(previous.get("stages"), rows) and all((out / c).is_file() for c in charts)):
+        charts = write_charts(rows, out)           # only when the numbers changed: a chart takes ~0.3 s
     state = {"status": "finished" if finished else "running", "config": cur.origin,
-             "stages_planned": [s.label for s in cur.stages], "stages": rows}
+             "stages_planned": [s.label for s in cur.stages], "stages": rows, "charts": charts or []}
     outputs.write_json_atomic(out / STATE, state)
     tmp = out / (REPORT + ".tmp")
-    tmp.write_text(report_markdown(rows), encoding="utf-8")
+    tmp.write_text(report_markdown(rows, charts or []), encoding="utf-8")
     os.replace(tmp, out / REPORT)
+
+
+def _same(stored, rows: list[dict]) -> bool:
+    return json.dumps(stored, sort_keys=True) == json.dumps(rows, sort_keys=True)
 
 
 def _metric_names(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(k for r in rows for k in r["after"]))
 
 
-def report_markdown(rows: list[dict]) -> str:
+def report_markdown(rows: list[dict], charts: list[str] = ()) -> str:
     names = _metric_names(rows)
     head = ["stage", "name", "method", "backend", "steps", *names]
     lines = ["# Curriculum", "", "Held-out numbers after each stage, on the stage's own held-out set "
@@ -294,7 +325,46 @@ def report_markdown(rows: list[dict]) -> str:
         cells += [f"{_fmt(r['before'].get(n))} -> {_fmt(r['after'].get(n))}" if n in r["before"]
                   else _fmt(r["after"].get(n)) for n in names]
         lines.append("| " + " | ".join(cells) + " |")
+    if charts:
+        lines += [""] + [f"![{name}]({name})" for name in charts]
     return "\n".join(lines) + "\n"
+
+
+def chart_file(metric: str) -> str:
+    return CHART.format(re.sub(r"[^A-Za-z0-9_.-]+", "_", metric))
+
+
+def write_charts(rows: list[dict], out: Path) -> list[str] | None:
+    """curriculum_<metric>.png for each metric: its value after each stage (and before it, hollow), stage
+    by stage; None when matplotlib is not installed (the rest of the report is written all the same)."""
+    try:
+        from matplotlib.figure import Figure     # no pyplot: no GUI backend, no global state
+    except ImportError:
+        return None
+    labels = [f"{r['stage']} {r['name']}\n{r['method']}, {r['backend']}" for r in rows]
+    written = []
+    for name in _metric_names(rows):
+        fig = Figure(figsize=(max(4.5, 1.6 * len(rows) + 1.5), 3.4), layout="constrained")
+        ax = fig.add_subplot()
+        x = list(range(len(rows)))
+        after = [r["after"].get(name) for r in rows]
+        before = [r["before"].get(name) for r in rows]
+        if any(v is not None for v in before):
+            ax.plot([i for i, v in zip(x, before) if v is not None], [v for v in before if v is not None], "o",
+                    mfc="none", color="#8c8c8c", label="before the stage")
+        ax.plot([i for i, v in zip(x, after) if v is not None], [v for v in after if v is not None], "o-",
+                color="#4c72b0", label="after the stage")
+        for i, v in zip(x, after):
+            if v is not None:
+                ax.annotate(_fmt(v), (i, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_title(f"{name} across stages (each on its stage's held-out set)", fontsize=10)
+        ax.margins(x=0.15, y=0.2)
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.legend(fontsize=8, frameon=False)
+        fig.savefig(out / chart_file(name), dpi=120)
+        written.append(chart_file(name))
+    return written
 
 
 def report_table(rows: list[dict]) -> str:

@@ -95,3 +95,23 @@ class Oracle:
         new = out[0, ids.shape[1]:].tolist()
         new = new[: new.index(stop)] if stop in new else new
         return self.tok.decode(new, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="session")
+def random_adapter(tiny_model_dir, tmp_path_factory) -> Path:
+    """A LoRA adapter on the tiny model with random (non-zero) B matrices, so it changes every output;
+    saved by PEFT alone: an adapter directory target, no training needed."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    out = tmp_path_factory.mktemp("random-adapter") / "adapter"
+    model.save_pretrained(str(out))
+    return out

