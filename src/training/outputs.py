@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +63,9 @@ def start_output_dir(cfg, overwrite: bool) -> tuple[Path, Path | None]:
     """prepare_output_dir and the config copy; in a distributed run rank 0 does both and every rank gets
     its answer (or its error), so no two processes clear or write the same directory."""
     from ..distributed import current
+    from .trackers import check_available
+
+    check_available(list(cfg.logging.report_to))          # a missing tracker stops the run before it starts
 
     def prepare():
         out, resume_from = prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
@@ -72,10 +76,18 @@ def start_output_dir(cfg, overwrite: bool) -> tuple[Path, Path | None]:
 
 
 def write_summary(out: Path, data) -> None:
-    """run_summary.json, written by rank 0 of a distributed run (the last thing a run writes)."""
+    """The charts and model card (report.py), then run_summary.json, the last thing a run writes; by rank 0
+    of a distributed run. A chart or card that fails to write costs the run nothing but that file."""
     from ..distributed import current
+    from .report import write_run_report
+    from .trackers import close_trackers
 
     if current().is_main:
+        try:
+            write_run_report(out, data)
+        except Exception as exc:      # noqa: BLE001 - the trained weights are saved; never fail the run here
+            print(f"run report (charts, README.md) not written: {type(exc).__name__}: {exc}", file=sys.stderr)
+        close_trackers(out, data)
         write_json_atomic(out / SUMMARY, data)
 
 
@@ -106,7 +118,8 @@ class MetricsLog:
     are dropped first, so the file reads as one uninterrupted run.
     """
 
-    def __init__(self, out: Path, truncate_after: int | None = None):
+    def __init__(self, out: Path, truncate_after: int | None = None, trackers=None):
+        self.trackers = trackers         # trackers.Trackers: each line also goes to logging.report_to
         self.path = out / METRICS
         self.start = time.perf_counter()
         if truncate_after is not None and self.path.exists():
@@ -122,6 +135,8 @@ class MetricsLog:
         fields.setdefault("elapsed", round(self.elapsed(), 3))
         self.fh.write(json.dumps(fields) + "\n")
         self.fh.flush()
+        if self.trackers is not None:
+            self.trackers.log(fields)
 
     def close(self) -> None:
         self.fh.close()

@@ -269,6 +269,13 @@ class MlxBackend:
         with eval_mode(handle.model):
             return generation.sample(handle, prompts, max_new_tokens, stop_ids, sampling, seed)
 
+    def stream(self, handle: MlxModel, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
+               sampling: Sampling | None, seed: int, on_token) -> None:
+        """One prompt, token by token (streaming.py): the ids generate / sample would give."""
+        from .streaming import stream_ids
+
+        stream_ids(self, handle, prompt, max_new_tokens, stop_ids, sampling, seed, on_token)
+
 
 @contextlib.contextmanager
 def eval_mode(model):

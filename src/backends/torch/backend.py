@@ -409,6 +409,12 @@ class TorchBackend:
 
         return sample(self, handle, prompts, max_new_tokens, stop_ids, sampling, seed)
 
+    def stream(self, handle: TorchModel, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
+               sampling, seed: int, on_token) -> None:
+        from .streaming import stream_ids
+
+        stream_ids(self, handle, prompt, max_new_tokens, stop_ids, sampling, seed, on_token)
+
     @_gathered
     def sequence_scores(self, handle: TorchModel, batch, grad: bool = True) -> torch.Tensor:
         self._require_head(handle, "sequence_classification")

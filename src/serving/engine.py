@@ -1,0 +1,145 @@
+"""A model loaded for conversation: messages in, streamed text out.
+
+The target is found and loaded as `mudpuppy eval` finds and loads it (evaluation/targets.py):
+a run directory brings its base, adapter, tokenizer and chat template; an adapter
+directory, a model directory, a .gguf file or an alias work too. The prompt is rendered
+with `data.render.render_chat`, the function training renders conversations with, under
+the template the run trained with (`apply_chat_template_choice`), and tokenized as
+training tokenizes chat (the template writes its own special tokens).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..backends.protocol import Sampling
+from ..data.render import render_chat
+from ..data.templates import BUILTIN_TEMPLATES, apply_chat_template_choice
+from ..errors import MudpuppyError
+from ..evaluation.heldout import stop_token_ids
+from .streaming import stream_ids
+from .text import TextStream
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How one answer is generated. temperature 0 is greedy decoding (the protocol's `generate`)."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None           # None: a fresh random seed for each sampled answer
+    stop: tuple[str, ...] = ()        # strings that end the answer (not included in it)
+
+    def sampling(self) -> Sampling | None:
+        if self.temperature <= 0:
+            return None
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]              # generated ids, the stop token left out
+    prompt_tokens: int
+    finish_reason: str                # "stop" (stop token or string) or "length"
+    seconds_to_first_token: float | None = None
+    seconds: float = 0.0
+    generated: int = 0                # forward passes that produced a token (the stop token counts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.generated
+
+    def decode_rate(self) -> float | None:
+        """Tokens per second after the first one (the prompt's prefill is in the first token's time)."""
+        if self.seconds_to_first_token is None or self.generated < 2:
+            return None
+        span = self.seconds - self.seconds_to_first_token
+        return (self.generated - 1) / span if span > 0 else None
+
+
+@dataclass
+class ChatModel:
+    backend: object
+    handle: object
+    name: str                         # what the server calls it; the target as given
+    description: str = ""
+    system_prompt: str | None = None  # the run's data.datasets[0].system_prompt, if it set one
+    stop_ids: list[int] = field(default_factory=list)
+
+    @property
+    def tokenizer(self):
+        return self.handle.tokenizer
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text for the next assistant turn: training's rendering of these messages."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt=True)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return list(self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"])
+
+    def complete(self, messages: list[dict], options: GenerationOptions,
+                 on_text: Callable[[str], None] | None = None) -> Completion:
+        """The assistant's answer to `messages`, each final piece of text passed to `on_text` as it comes."""
+        prompt = self.prompt_ids(messages)
+        stream = TextStream(self.tokenizer, options.stop)
+        stop = set(self.stop_ids)
+        state = {"ids": [], "first": None, "reason": "length", "generated": 0}
+        started = time.perf_counter()
+
+        def on_token(token: int) -> bool:
+            state["generated"] += 1
+            if state["first"] is None:
+                state["first"] = time.perf_counter() - started
+            if token in stop:
+                state["reason"] = "stop"
+                return False
+            state["ids"].append(token)
+            piece = stream.add(token)
+            if piece and on_text is not None:
+                on_text(piece)
+            if stream.stopped:
+                state["reason"] = "stop"
+                return False
+            return True
+
+        seed = options.seed if options.seed is not None else secrets.randbelow(2**31)
+        stream_ids(self.backend, self.handle, prompt, options.max_new_tokens, self.stop_ids, options.sampling(),
+                   seed, on_token)
+        rest = stream.flush()
+        if rest and on_text is not None:
+            on_text(rest)
+        return Completion(stream.text, state["ids"], len(prompt), state["reason"], state["first"],
+                          time.perf_counter() - started, state["generated"])
+
+
+def load_chat_model(target: str, backend: str | None = None, precision: str = "auto", base_model: str | None = None,
+                    chat_template: str | None = None, name: str | None = None) -> ChatModel:
+    """TARGET (run, adapter, model directory, .gguf or alias) loaded on `backend` (default: the run's, else auto)."""
+    from ..backends import create_backend
+    from ..evaluation.targets import resolve_target
+
+    column = resolve_target(target, base_model, chat_template)
+    impl = create_backend(backend or (column.cfg.backend if column.kind == "run" else "auto"))
+    handle = column.load(impl, precision)
+    if apply_chat_template_choice(handle.tokenizer, column.cfg.data.chat_template) is None:
+        raise MudpuppyError(f"{target}: its tokenizer has no chat template, so there is no way to lay out a "
+                            f"conversation; pass --chat-template with a built-in ({', '.join(BUILTIN_TEMPLATES)}) "
+                            "or your own Jinja")
+    system = None
+    if column.kind == "run" and column.cfg.data.datasets:
+        system = column.cfg.data.datasets[0].system_prompt
+    return ChatModel(impl, handle, name or default_name(target), column.describe(), system,
+                     stop_token_ids(handle.tokenizer))
+
+
+def default_name(target: str) -> str:
+    from pathlib import Path
+
+    path = Path(target).expanduser()
+    return path.resolve().name if path.exists() else target
