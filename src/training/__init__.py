@@ -7,7 +7,20 @@ from .sft import RunResult, run_sft
 
 __all__ = ["RunResult", "run_grpo", "run_preference", "run_reward", "run_sft", "run"]
 
-METHODS = {"sft": run_sft, "preference": run_preference, "rm": run_reward, "prm": run_reward, "grpo": run_grpo}
+
+
+def _run_gptq(cfg, backend, overwrite=False, echo=print):
+    from .gptq import run_gptq              # imported when used: the quantization code is not on other paths
+    return run_gptq(cfg, backend, overwrite=overwrite, echo=echo)
+
+
+def _run_qat(cfg, backend, overwrite=False, echo=print):
+    from .qat import run_qat
+    return run_qat(cfg, backend, overwrite=overwrite, echo=echo)
+
+
+METHODS = {"sft": run_sft, "preference": run_preference, "rm": run_reward, "prm": run_reward, "grpo": run_grpo,
+           "gptq": _run_gptq, "qat": _run_qat}
 
 
 def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
