@@ -150,10 +150,16 @@ def test_ctrl_c_stops_the_server_cleanly(torch_chat):
             lines.append(f"status {resp.status}")
         os.kill(os.getpid(), signal.SIGINT)
 
-    thread = threading.Thread(target=interrupt, daemon=True)
-    thread.start()
-    serve(torch_chat, "127.0.0.1", 0, GenerationOptions(), echo=echo)
-    thread.join(10)
+    # A shell starts background jobs with SIGINT ignored, and Python then installs no handler for it:
+    # give this test the handler a terminal's process has, and put back whatever was there.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        thread = threading.Thread(target=interrupt, daemon=True)
+        thread.start()
+        serve(torch_chat, "127.0.0.1", 0, GenerationOptions(), echo=echo)
+        thread.join(10)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert "status 200" in lines and lines[-1] == "stopped"
 
 
