@@ -325,6 +325,11 @@ def plan_linears(model: nn.Module, modules) -> tuple[str, nn.ModuleList, list[st
             raise MudpuppyError(f"gptq.modules: {', '.join(unknown)} match no linear layer of the model's blocks "
                                 f"(they hold: {', '.join(every)})")
     if not chosen:
+        from ..backends.torch.frozen import FrozenLinear
+
+        if any(isinstance(m, FrozenLinear) for m in layers[0].modules()):
+            raise MudpuppyError("the model's linear layers are already quantized (a GPTQ or 4-bit model); "
+                                "GPTQ starts from the full-precision model")
         raise MudpuppyError(f"gptq.modules: nothing to quantize (the blocks' linear layers: {', '.join(every)})")
     problems = [p for name in chosen
                 if (p := check_packable(name, (m := layers[0].get_submodule(name)).in_features, m.out_features))]

@@ -70,7 +70,7 @@ def _run_torch(cfg, backend, overwrite: bool, echo) -> RunResult:
          f"{'symmetric' if spec.sym else 'asymmetric'}{', act-order' if spec.desc_act else ''}; calibrating on "
          f"{len(calibration)} of {len(data.train)} training examples ({tokens:,} tokens); "
          f"{len(data.val)} held-out examples")
-    measure = cfg.eval.loss and bool(data.val)
+    measure = bool(data.val) and (cfg.eval.loss or cfg.eval.exact_match)
     original = rtn = None
     if measure and cfg.eval.before_training:
         original = evaluate(backend, handle, data, cfg.eval)
@@ -108,7 +108,7 @@ def _run_torch(cfg, backend, overwrite: bool, echo) -> RunResult:
         result.after = evaluate(backend, reread, data, cfg.eval)
         result.model = reread
         echo(f"GPTQ:             {_describe(result.after)}")
-        if rtn is not None and original is not None:
+        if rtn is not None and original is not None and original.loss is not None:
             echo(_table(original, rtn, result.after))
     result.seconds = time.perf_counter() - started
     outputs.write_summary(out, _summary(cfg, result, rtn, report, qconfig, files, len(data.train), len(data.val)))

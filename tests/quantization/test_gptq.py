@@ -440,7 +440,9 @@ def test_layers_the_layout_cannot_pack_are_named(tiny_model_dir, tmp_path):
     assert not (tmp_path / "out").exists()                                 # nothing written
 
 
-def test_bad_gptq_settings_get_clear_errors(model64, tmp_path):
+def test_bad_gptq_settings_get_clear_errors(model64, gptq_run, tmp_path):
+    res = run_cli(gptq_config(gptq_run[0], tmp_path / "o0"), tmp_path / "z.yaml")
+    assert res.exit_code == 2 and "already quantized" in res.output
     res = run_cli(gptq_config(model64, tmp_path / "o1", modules=["q_proj", "wq"]), tmp_path / "a.yaml")
     assert res.exit_code == 2 and "gptq.modules: wq match no linear layer" in res.output
     res = run_cli(gptq_config(model64, tmp_path / "o2", group_size=48), tmp_path / "b.yaml")

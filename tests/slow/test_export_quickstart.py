@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 HELD_OUT = 8           # the first held-out conversations of configs/data/smart_home_val.jsonl
 NEW_TOKENS = 6         # the intent labels are a few tokens long
 F16_BOUND = 1e-2       # the bound for an f16 GGUF of the merged model
-Q8_0_BOUND = 2.0       # stated for q8_0 (logits reach ~30 here): measured figures in docs/export.md
+Q8_0_BOUND = 2.0       # stated for q8_0 (measured 0.81 and 1.43): figures in docs/export.md
 
 
 def mudpuppy(*args):

@@ -92,7 +92,7 @@ def run_gptq_mlx(cfg, backend, overwrite: bool, echo):
     out, _ = outputs.start_output_dir(cfg, overwrite)
     echo(f"gptq on mlx: mlx-lm's GPTQ (mlx_lm.quant.gptq), {g.bits}-bit affine, group {g.group_size}; calibrating "
          f"on {len(calibration)} of {len(data.train)} training examples; {len(data.val)} held-out examples")
-    measure = cfg.eval.loss and bool(data.val)
+    measure = bool(data.val) and (cfg.eval.loss or cfg.eval.exact_match)
     original = rtn = None
     linear = (nn.Linear, SwitchLinear)
     if measure and cfg.eval.before_training:
@@ -127,7 +127,7 @@ def run_gptq_mlx(cfg, backend, overwrite: bool, echo):
         result.after = evaluate(backend, reread, data, cfg.eval)
         result.model = reread
         echo(f"GPTQ (mlx-lm):    {_describe(result.after)}")
-        if original is not None and rtn is not None:
+        if original is not None and rtn is not None and original.loss is not None:
             echo(_table(original, rtn, result.after))
     result.seconds = time.perf_counter() - started
     outputs.write_summary(out, {
