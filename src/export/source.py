@@ -8,8 +8,8 @@ SOURCE is what `mudpuppy eval` takes as a target (evaluation/targets.py finds it
     model directory    config.json: a merged, fully fine-tuned or plain causal LM
     model alias        smollm2-135m-instruct, a .gguf file, or a Hugging Face Hub id
 
-A base or model directory whose config.json declares a `quantization_config` (a GPTQ output,
-for instance) is first dequantized into plain float32 weights by the dequantizer registered for
+A base or model directory whose config.json declares a `quantization_config` (a GPTQ output or a
+converted QAT model) is first dequantized into plain float32 weights by the dequantizer registered for
 its `quant_method` (DEQUANTIZERS); an adapter then merges into those weights, exactly as it
 trained on them. Merging goes through the backend protocol (`merge_and_save`), so a QLoRA
 adapter merges into the dequantized base it learned on, never into 4-bit weights.
@@ -28,15 +28,16 @@ from ..errors import MudpuppyError
 from ..evaluation.targets import (ADAPTER_CONFIG, MODEL_CONFIG, RUN_CONFIG, Column, adapter_column, model_column,
                                   run_column)
 from .gptq import dequantize_gptq_dir
+from .qat import dequantize_qat_dir
 
 # quant_method -> writes a plain float32 model directory (config.json without quantization_config,
 # *.safetensors, the tokenizer files) from a quantized one: fn(source_dir, target_dir).
 Dequantizer = Callable[[Path, Path], None]
-DEQUANTIZERS: dict[str, Dequantizer] = {"gptq": dequantize_gptq_dir}
+DEQUANTIZERS: dict[str, Dequantizer] = {"gptq": dequantize_gptq_dir, "mudpuppy_qat": dequantize_qat_dir}
 
 
 def register_dequantizer(quant_method: str, fn: Dequantizer) -> None:
-    """Teach export to read checkpoints of `quant_method` (e.g. a QAT output's own format)."""
+    """Teach export to read checkpoints of another `quant_method`."""
     DEQUANTIZERS[quant_method] = fn
 
 
@@ -102,6 +103,9 @@ class ExportSource:
                               f"export cannot dequantize; readable: {', '.join(sorted(DEQUANTIZERS))}")
         target = staging / "dequantized"
         echo(f"dequantizing the {method} weights of {path} to float32")
+        if quant.get("activations") not in (None, "none"):
+            echo(f"  note: its {quant['activations']} activation quantization is not part of the weights; "
+                 "the export computes activations in float")
         fn(path, target)
         model = self.cfg.model.model_copy(update={"base_model": str(target)})
         if self.cfg.model.tokenizer is None:
