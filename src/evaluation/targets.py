@@ -57,6 +57,10 @@ class Column:
             return f"base model {self.base_name}, no adapter"
         if self.has_adapter:
             return f"{self.kind}: {self.cfg.adapter.type} adapter on {self.base_name}"
+        if self.kind == "run" and self.cfg.method == "qat":
+            return f"run: QAT int{self.cfg.qat.weight_bits} model (converted) of {self.base_name}"
+        if self.kind == "run" and self.cfg.method == "gptq":
+            return f"run: GPTQ {self.cfg.gptq.bits}-bit model of {self.base_name}"
         if self.kind == "run":
             return f"run: full fine-tune of {self.base_name}"
         return f"model {self.cfg.model.base_model}"

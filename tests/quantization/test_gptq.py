@@ -372,6 +372,21 @@ def logits_with_rtn(model_dir: Path, ids) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def test_mudpuppy_eval_measures_the_gptq_run_as_saved(gptq_run):
+    """The run directory as an eval target: its 4-bit layers read back as stored, so the perplexity over the
+    held-out data is the run's own GPTQ held-out loss (both at the precision auto gives this machine, as the
+    run's config sets none)."""
+    out, _ = gptq_run
+    held = json.loads((out / "run_summary.json").read_text())["heldout_loss"]
+    res = CliRunner().invoke(main, ["eval", str(out), "--data", str(QUICKSTART_DATA / "smart_home_val.jsonl"),
+                                    "--max-samples", "8", "--metrics", "perplexity", "--backend", "cpu",
+                                    "--precision", "auto", "--out", str(out / "eval-check")])
+    assert res.exit_code == 0, res.output
+    assert "GPTQ 4-bit model" in res.output
+    [measured] = json.loads((out / "eval-check" / "eval.json").read_text())["models"]
+    assert math.isclose(measured["values"]["perplexity"], math.exp(held["gptq"]), rel_tol=1e-4), held
+
+
 def test_lora_trains_on_the_gptq_model(gptq_run, tmp_path):
     from mudpuppy import load_config
     from mudpuppy.backends.torch.gptq_linear import GptqLinear

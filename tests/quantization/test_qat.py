@@ -193,3 +193,26 @@ def test_loading_something_that_is_not_a_qat_model_says_so(tiny_model_dir):
     assert not is_qat_checkpoint(tiny_model_dir)
     with pytest.raises(MudpuppyError, match="not a mudpuppy QAT model"):
         load_quantized(tiny_model_dir)
+
+
+def test_a_converted_qat_run_is_evaluated_as_saved_and_refused_as_a_training_base(tiny_config, tmp_path):
+    """transformers alone skips the unknown quantization_config and leaves the quantized layers random;
+    mudpuppy's loader reads the codes, so `mudpuppy eval` measures what the run measured after conversion."""
+    import math
+
+    cfg = qat_config(tiny_config, fake_quant_after_n_steps=1)
+    assert CliRunner().invoke(main, ["run", "-c", str(write_cfg(tmp_path, cfg))]).exit_code == 0
+    out = tmp_path / "run"
+    held = json.loads((out / "run_summary.json").read_text())["qat"]["heldout"]["qat_converted"]
+    val = cfg["data"]["val_datasets"][0]
+    res = CliRunner().invoke(main, ["eval", str(out), "--data", val["path"], "--max-samples", str(val["num_samples"]),
+                                    "--metrics", "perplexity", "--backend", "cpu", "--precision", "fp32"])
+    assert res.exit_code == 0, res.output
+    assert "QAT int4 model (converted)" in res.output
+    [measured] = json.loads((out / "eval" / "eval.json").read_text())["models"]
+    assert math.isclose(measured["values"]["perplexity"], math.exp(held["loss"]), rel_tol=1e-4)
+
+    sft = dict(cfg, method="sft", output_dir=str(tmp_path / "again"), model={"base_model": str(out)})
+    del sft["qat"]
+    res = CliRunner().invoke(main, ["run", "-c", str(write_cfg(tmp_path, sft, "again.yaml"))])
+    assert res.exit_code == 2 and "is a converted QAT model" in res.output and "trained/" in res.output, res.output

@@ -91,6 +91,12 @@ def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None, ad
     quant = quant_format(adapter) if kind == "qlora" else None   # likewise a refused 4-bit format
     resolved = resolve_model(model_cfg.base_model, model_cfg.revision, model_cfg.trust_remote_code)
     config = patch_rope_theta(json.loads((Path(resolved.path) / "config.json").read_text()))
+    quantized = (config.get("quantization_config") or {}).get("quant_method")
+    if quantized in ("gptq", "mudpuppy_qat") and "quantization" not in config:
+        # The two formats mudpuppy writes on torch; mlx-lm has no reader for either (its own
+        # "quantization" key aside), so their codes would load as missing weights.
+        raise MudpuppyError(f"model.base_model {model_cfg.base_model!r} holds {quantized} weights, which the mlx "
+                            "backend cannot read; use a torch backend, or `mudpuppy export --format mlx` of it first")
     # rope_theta (and rope_scaling) passed explicitly: mlx-lm reads only the top-level
     # keys, which transformers 5 no longer writes, and would silently fall back to 10000.
     overrides = {k: config[k] for k in ("rope_theta", "rope_scaling") if k in config}

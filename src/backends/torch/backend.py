@@ -19,6 +19,7 @@ import torch
 
 from ...distributed import is_placeholder, sum_step, whole
 from ...errors import MudpuppyError
+from ...quantization.qat import is_qat_checkpoint
 from ..adapters import choose_target_modules
 from ..models import resolve_model
 from ..protocol import AdapterInfo, StepResult
@@ -112,6 +113,11 @@ class TorchBackend:
         auto_class, num_labels, _ = HEADS[head] if head else ("AutoModelForCausalLM", None, None)
         head_kwargs = {"num_labels": num_labels} if head else {}
         resolved = resolve_model(model_cfg.base_model, model_cfg.revision, model_cfg.trust_remote_code)
+        if adapter is not None and is_qat_checkpoint(resolved.path):
+            raise MudpuppyError(
+                f"model.base_model {model_cfg.base_model!r} is a converted QAT model: integer weights for "
+                "inference (eval, chat, serve, export), which no adapter or optimizer can train. Train on its "
+                "float fine-tune (the QAT run's trained/ directory) or on `mudpuppy export --format merged` of it")
         tokenizer = self.load_tokenizer(model_cfg, resolved.path)
         compute = self.compute_dtype(precision)
         kind = adapter.type if adapter is not None else None

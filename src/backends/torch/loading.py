@@ -33,6 +33,7 @@ from torch import nn
 
 from ...errors import MudpuppyError
 from .frozen import FrozenLinear
+from ...quantization.qat import is_qat_checkpoint, load_quantized
 from .gptq_linear import gptq_settings_of, install_gptq_layers
 
 SAFETENSORS_DTYPES = {
@@ -71,14 +72,16 @@ class FrozenPlan:
 
 @dataclass
 class LoadReport:
-    path: str                # "streamed" (tensor by tensor) or "transformers" (from_pretrained, then converted)
+    path: str                # "streamed" (tensor by tensor), "transformers" (from_pretrained, then converted)
+                             # or "mudpuppy_qat" (a converted QAT model)
     dtype: torch.dtype
     tensors: int = 0
     new_keys: list[str] = field(default_factory=list)   # initialised, not read (a new scalar head)
 
     def describe(self) -> str:
-        how = ("tensor by tensor" if self.path == "streamed"
-               else "through transformers.from_pretrained (checkpoint not readable tensor by tensor)")
+        how = {"streamed": "tensor by tensor",
+               "mudpuppy_qat": "as a converted QAT model (integer codes and scales, as stored)"}.get(
+            self.path, "through transformers.from_pretrained (checkpoint not readable tensor by tensor)")
         return f"loaded {how} at {str(self.dtype).removeprefix('torch.')}"
 
 
@@ -287,6 +290,8 @@ def load_model_weights(auto_class: str, directory: Path, dtype: torch.dtype, dev
     """
     from transformers import AutoConfig
 
+    if is_qat_checkpoint(directory):
+        return load_qat_checkpoint(auto_class, directory, dtype, device, trust_remote_code)
     config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code, **(head_kwargs or {}))
     gptq = gptq_settings_of(directory)
     if gptq is not None:
@@ -309,3 +314,15 @@ def load_model_weights(auto_class: str, directory: Path, dtype: torch.dtype, dev
         return load_pretrained_fallback(auto_class, directory, dtype, device, plan_frozen, trust_remote_code,
                                         head_kwargs or {}, new_modules)
     return model, report
+
+
+def load_qat_checkpoint(auto_class: str, directory: Path, dtype: torch.dtype, device: torch.device,
+                        trust_remote_code: bool):
+    """A converted QAT model (quant_method mudpuppy_qat): its linears are QuantizedLinear layers holding
+    the integer codes, read as stored. transformers alone would skip the unknown quantization_config and
+    leave those layers randomly initialised, so this is the only way in; it serves inference (eval, chat,
+    serve, export), not further training on the codes."""
+    if auto_class != "AutoModelForCausalLM":
+        raise MudpuppyError(f"{directory}: a converted QAT model is a causal LM; it cannot be loaded as "
+                            f"{auto_class} (a reward model's base)")
+    return load_quantized(directory, device, dtype, trust_remote_code), LoadReport("mudpuppy_qat", dtype)

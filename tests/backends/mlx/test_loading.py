@@ -174,3 +174,19 @@ def test_cli_refuses_them_before_any_model_loads(mlx_config, mlx_backend, tmp_pa
     res = CliRunner().invoke(main, ["run", "--config", str(path)])
     assert res.exit_code == 2, res.output
     assert message in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("method", ["gptq", "mudpuppy_qat"])
+def test_a_gptq_or_qat_checkpoint_is_refused_by_name_not_loaded_with_missing_weights(tiny_model_dir, mlx_backend,
+                                                                                     tmp_path, method):
+    import shutil
+
+    from mudpuppy.config import ModelConfig
+
+    quantized = tmp_path / "quantized"
+    shutil.copytree(tiny_model_dir, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MudpuppyError, match=f"holds {method} weights.*use a torch backend"):
+        mlx_backend.load_model(ModelConfig(base_model=str(quantized)), "fp32")
