@@ -343,7 +343,12 @@ def preprocess(config_path, overrides, samples, refresh, debug):
                f"read and checked for method {cfg.method}")
     source = cfg.model.tokenizer or str(resolve_model(cfg.model.base_model, cfg.model.revision,
                                                       cfg.model.trust_remote_code).path)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
+    from .data.vision import is_vision_model, load_vision_tokenizer
+
+    if is_vision_model(cfg.model):   # the processor renders and expands the images as training will
+        tokenizer = load_vision_tokenizer(source, cfg.model.trust_remote_code)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     prepared = prepare_data(cfg, tokenizer, loaded, write_cache=True, refresh=refresh)

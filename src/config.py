@@ -40,6 +40,12 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="storage dtype of the frozen base: auto = the device's compute dtype (bf16, or fp16 on "
                             "GPUs without bf16; fp32 where neither is native), fp32 for weights that train in full")
+    # Vision-language models (docs/data.md#images): chat records with images, AutoModelForImageTextToText.
+    vision: Literal["auto"] | bool = Field(
+        "auto", description="a vision-language model with its processor; auto: when its config.json has a vision_config")
+    freeze_vision: bool = Field(
+        True, description="vision-language models: the vision tower stays frozen and LoRA adapts the language "
+                          "model only; false trains the vision tower too (in full, or with LoRA on its linears)")
 
 
 class AdapterConfig(_Strict):
@@ -508,6 +514,10 @@ def load_config(
         raise ConfigError(origin, [str(i) for i in _pydantic_issues(exc)]) from None
     if check_files:
         issues.extend(_missing_files(cfg))
+    from .data.vision import is_vision_model, vision_problems   # auto: read from the model's config.json
+
+    vision = cfg.model.vision is True or (check_files and is_vision_model(cfg.model))
+    issues.extend(Issue(where, what) for where, what in vision_problems(cfg, vision))
     if issues:
         raise ConfigError(origin, [str(i) for i in issues])
     return cfg

@@ -5,6 +5,8 @@
     templates  chat templates: the tokenizer's, built-in ones, the user's
     render     records -> text with the character spans that carry loss
     tokenize   text + spans -> token ids and loss masks, per format
+    images     image content parts: accepted shapes, files beside the data, Pillow
+    vision     vision-language chat: the processor's template and image-token expansion
     examples   the tokenized example types
     packing    which examples share a packed row
     batch      examples -> one padded or packed numpy batch

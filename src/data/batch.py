@@ -21,6 +21,8 @@ class Batch:
     # A backend must keep tokens of different segments from attending to each other.
     position_ids: np.ndarray | None = None   # int64 [B, T]
     segment_ids: np.ndarray | None = None    # int64 [B, T]
+    # Vision-language rows only (None otherwise): each row's image files, in the order of its image tokens.
+    images: list[tuple[str, ...]] | None = None
 
     @property
     def real_tokens(self) -> int:
@@ -55,7 +57,8 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
         ids[row, :n] = ex.input_ids
         attn[row, :n] = 1
         labels[row, :n] = shifted_labels(ex)
-    return Batch(ids, labels, attn)
+    images = [getattr(ex, "images", ()) for ex in examples]
+    return Batch(ids, labels, attn, images=images if any(images) else None)
 
 
 def collate_packed(rows: list[list[Example]], pad_id: int) -> Batch:

@@ -34,6 +34,19 @@ class Example:
 
 
 @dataclass
+class ImageExample(Example):
+    """A vision-language chat example: its ids hold each image's token run, and `images` the files
+    whose pixels fill them (in order). A cut before `image_end` would split an image's tokens from
+    its pixels, so such an example is dropped rather than truncated (prepare.fit_length)."""
+
+    images: tuple[str, ...] = ()
+    image_end: int = 0         # tokens [0, image_end) hold every image token
+
+    def truncated(self, max_len: int) -> ImageExample:
+        return replace(self, input_ids=self.input_ids[:max_len], loss_mask=self.loss_mask[:max_len])
+
+
+@dataclass
 class PairExample:
     """Preference data (DPO, IPO, SimPO, ORPO, pairwise reward): one prompt, two responses.
 
@@ -126,4 +139,4 @@ class PromptExample:
         return len(self.prompt) > 0
 
 
-AnyExample = Example | PairExample | LabeledExample | StepExample | PromptExample
+AnyExample = Example | ImageExample | PairExample | LabeledExample | StepExample | PromptExample

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import DataError
+from .images import image_reference
 from .readers import Problem, RawSource, Record, record_error
-from .tools import check_tool_calls, check_tools, join_content_parts
+from .tools import IMAGE_PART_TYPES, check_tool_calls, check_tools, join_content_parts
 
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT and similar datasets name roles differently.
@@ -148,16 +149,17 @@ def _missing_keys(fmt: Format, record: dict) -> list[str]:
 
 # --------------------------------------------------------------------------- validation
 
-def normalize_records(source: RawSource, fmt: str, tolerant: bool) -> list[Record]:
+def normalize_records(source: RawSource, fmt: str, tolerant: bool, images: bool = False) -> list[Record]:
     """Each record checked against `fmt` and brought to its canonical shape.
 
     Bad records raise a DataError at their line, or are recorded in
-    `source.problems` and left out when `tolerant` is set.
+    `source.problems` and left out when `tolerant` is set. With `images` (a
+    vision-language model), chat messages may hold image parts (see images.py).
     """
     out = []
     for rec in source.records:
         try:
-            data = normalize_record(fmt, rec.data)
+            data = normalize_record(fmt, rec.data, images)
         except ValueError as exc:
             if not tolerant:
                 raise record_error(source.name, rec, str(exc)) from None
@@ -172,7 +174,7 @@ def normalize_records(source: RawSource, fmt: str, tolerant: bool) -> list[Recor
     return out
 
 
-def normalize_record(fmt: str, record: dict) -> dict:
+def normalize_record(fmt: str, record: dict, images: bool = False) -> dict:
     """A copy of the record in canonical form; ValueError says what is wrong."""
     spec = FORMATS[fmt]
     missing = _missing_keys(spec, record)
@@ -185,7 +187,7 @@ def normalize_record(fmt: str, record: dict) -> dict:
     if fmt == "chat":
         key = "messages" if "messages" in record else "conversations"
         out.pop("conversations", None)
-        out["messages"] = check_messages(record[key], key)
+        out["messages"] = check_messages(record[key], key, images)
     elif fmt == "text":
         check_str(record, "text")
     elif fmt == "instruction":
@@ -248,8 +250,9 @@ def check_text_or_messages(record: dict, key: str) -> str | list[dict]:
     raise ValueError(f"field {key!r} must be a string or a list of messages, found {_kind(value)}")
 
 
-def check_messages(messages, key: str = "messages") -> list[dict]:
-    """Messages as [{"role", "content", "train"?}], accepting ShareGPT's {"from", "value"} too."""
+def check_messages(messages, key: str = "messages", images: bool = False) -> list[dict]:
+    """Messages as [{"role", "content", "train"?}], accepting ShareGPT's {"from", "value"} too.
+    With `images`, a message with image parts keeps them, in order, as "parts" beside its text."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"field {key!r} must be a non-empty list of {{'role', 'content'}} objects, "
                          f"found {_kind(messages)}")
@@ -264,7 +267,11 @@ def check_messages(messages, key: str = "messages") -> list[dict]:
         if role not in ROLES:
             raise ValueError(f"{key}[{i}].role {role!r} is not one of {', '.join(ROLES)} "
                              f"(or ShareGPT's {', '.join(ROLE_ALIASES)})")
-        clean = {"role": role, "content": check_content(msg, f"{key}[{i}]")}
+        clean = {"role": role, "content": check_content(msg, f"{key}[{i}]", images)}
+        if images and isinstance(msg.get("content"), list):
+            parts = image_parts(msg["content"], f"{key}[{i}].content", role)
+            if parts:
+                clean["parts"] = parts
         if msg.get("tool_calls"):
             if role != "assistant":
                 raise ValueError(f"{key}[{i}] has tool_calls but its role is {role!r}; only assistant turns call tools")
@@ -284,18 +291,35 @@ def check_messages(messages, key: str = "messages") -> list[dict]:
     return out
 
 
-def check_content(msg: dict, where: str) -> str:
+def check_content(msg: dict, where: str, images: bool = False) -> str:
     """A message's text: a string, or a list of content parts whose text parts are joined.
     An assistant turn that only calls tools may have no content (null), as OpenAI exports write it."""
     content = msg.get("content", msg.get("value"))
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return join_content_parts(content, f"{where}.content")
+        return join_content_parts(content, f"{where}.content", images)
     if content is None and msg.get("tool_calls"):
         return ""
     raise ValueError(f"{where}.content must be a string, found {_kind(content)} "
                      "(a list of content parts [{'type': 'text', 'text': ...}] is accepted too)")
+
+
+def image_parts(content: list, where: str, role: str) -> list[dict] | None:
+    """The parts of a message holding images, as [{"type": "text", "text"} | {"type": "image", "image": path}]
+    in their order (None without images); the paths are resolved later, beside the data file."""
+    parts, seen = [], False
+    for j, part in enumerate(content):
+        kind = part.get("type", "text" if "text" in part else None)
+        if kind in IMAGE_PART_TYPES or (kind is None and ("image" in part or "image_url" in part)):
+            if role != "user":
+                raise ValueError(f"{where}[{j}] is an image in a {role!r} turn; images go in user turns "
+                                 "(the model reads images, it does not write them)")
+            parts.append({"type": "image", "image": image_reference(part, f"{where}[{j}]")})
+            seen = True
+        else:
+            parts.append({"type": "text", "text": part["text"]})
+    return parts if seen else None
 
 
 def _kind(value) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from . import cache
 from .examples import AnyExample, Example
 from .formats import check_method_format, detect_format, normalize_records, rename_fields
@@ -23,6 +23,8 @@ from .render import RenderOptions, instruction_prompt
 from .templates import apply_chat_template_choice, template_warnings
 from .tokenize import needs_template, tokenize_records, tool_format_for
 from .tools import uses_tools
+from .vision import is_vision_model, is_vision_tokenizer, vision_problems
+from .images import resolve_images
 
 SKIPPED_SHOWN = 20     # bad-record locations kept for the report
 
@@ -82,8 +84,9 @@ def display_name(path: Path) -> str:
     return rel if not rel.startswith("..") else str(path)
 
 
-def load_dataset(cfg, spec) -> LoadedDataset:
-    """Read one dataset and check every record against its format."""
+def load_dataset(cfg, spec, images: bool = False) -> LoadedDataset:
+    """Read one dataset and check every record against its format; with `images` (a vision-language
+    model), chat records may show images, whose files are found and checked here."""
     tolerant = cfg.data.skip_bad_records
     path = cfg.resolve_path(spec.path)
     name = display_name(path) if is_local(path) else spec.path
@@ -95,7 +98,9 @@ def load_dataset(cfg, spec) -> LoadedDataset:
     for rec in raw.records:
         rec.data = rename_fields(rec.data, spec.field_map)
     fmt = detect_format(raw, spec.type, tolerant)
-    records = normalize_records(raw, fmt, tolerant)
+    records = normalize_records(raw, fmt, tolerant, images=images and fmt == "chat")
+    if images and fmt == "chat":
+        records = resolve_images(raw, records, path.parent if is_local(path) else None, tolerant)
     skipped = [f"{name}:{p.line}: {p.message}" if p.line is not None else f"{name}: {p.message}"
                for p in raw.problems]
     return LoadedDataset(spec, name, fmt, records, raw.fingerprint, skipped)
@@ -104,8 +109,9 @@ def load_dataset(cfg, spec) -> LoadedDataset:
 def load_data(cfg, method: str | None = None) -> LoadedData:
     """Every dataset read and validated, and its format checked against the method."""
     method = method or cfg.data_method()
-    loaded = LoadedData([load_dataset(cfg, s) for s in cfg.data.datasets],
-                        [load_dataset(cfg, s) for s in cfg.data.val_datasets])
+    images = is_vision_model(cfg.model)
+    loaded = LoadedData([load_dataset(cfg, s, images) for s in cfg.data.datasets],
+                        [load_dataset(cfg, s, images) for s in cfg.data.val_datasets])
     for ds in loaded.train + loaded.val:
         check_method_format(method, ds.format, ds.name)
     return loaded
@@ -150,7 +156,8 @@ def fit_length(examples: list, records: list[dict], max_len: int, policy: str, r
     out_ex, out_rec = [], []
     for ex, rec in zip(examples, records):
         if len(ex) > max_len:
-            if policy == "drop":
+            # Never cut through an image's tokens: its pixels would have no place left.
+            if policy == "drop" or getattr(ex, "image_end", 0) > max_len:
                 report.dropped_too_long += 1
                 continue
             report.truncated += 1
@@ -205,6 +212,14 @@ def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: st
     loaded = loaded or load_data(cfg, method)
     template = apply_chat_template_choice(tokenizer, cfg.data.chat_template)
     use_cache = cfg.data.cache if use_cache is None else use_cache
+    if is_vision_tokenizer(tokenizer):
+        # The model turned out to be a vision-language one: its settings are checked here too (a hub
+        # model's kind is known once it is downloaded), and its tokens, which depend on the image
+        # files, are not cached.
+        problems = vision_problems(cfg, True)
+        if problems:
+            raise ConfigError("the config", [f"{where}: {what}" for where, what in problems])
+        use_cache = False
     key = cache.cache_key(cfg, method or cfg.data_method(), loaded.fingerprints(), tokenizer) if use_cache else None
     root = cache.cache_root(cfg)
     if key is not None and not refresh:
@@ -217,6 +232,9 @@ def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: st
 
     prepared = tokenize_all(cfg, tokenizer, loaded, template is not None)
     prepared.report.warnings += template_warnings(tokenizer, cfg.data.chat_template)
+    if is_vision_tokenizer(tokenizer) and cfg.data.cache:
+        prepared.report.warnings.append("data.cache: image data is tokenized afresh for each run (its tokens "
+                                        "depend on the image files, which the cache does not track)")
     if key is not None:
         prepared.report.cache = "fresh"
         if write_cache:

@@ -50,6 +50,8 @@ class Rendered:
     add_special_tokens: bool = False    # raw text: let the tokenizer add its BOS; templates write their own
     append_eos: bool = False            # raw text: end with the tokenizer's EOS token
     anchors: list[int] = field(default_factory=list)   # PRM: character index of each step's last character
+    images: tuple[str, ...] = ()        # vision-language chat: the image files, in order (vision.py)
+    blocked: list[tuple[int, int]] = field(default_factory=list)   # image runs: never carry loss
 
     def trained_spans(self, train_on_eos: str) -> list[tuple[int, int]]:
         """Spans that carry loss under the EOS policy, sorted and non-empty."""
@@ -71,7 +73,7 @@ def template_message(m: dict) -> dict:
     """What a chat template sees of a message: role and content, and the tool parts when present
     (templates test ``'tool_calls' in message``, so the key is left out when there are none)."""
     out = {"role": m["role"], "content": m["content"]}
-    for key in ("tool_calls", "name", "tool_call_id"):
+    for key in ("tool_calls", "name", "tool_call_id", "parts"):   # parts: images, for vision.VisionTokenizer
         if m.get(key):
             out[key] = m[key]
     return out
@@ -118,8 +120,10 @@ def check_nothing_vanishes(full: str, messages: list[dict], origin: list[int | N
     a template that drops them would otherwise train on a conversation the record does not hold."""
     for msg, at in zip(messages, origin):
         where = f"messages[{at}] ({msg['role']})" if at is not None else "the tool list"
-        text = msg["content"].strip()
-        if text and text not in full:
+        # A message with images is checked part by part: its joined text has no image between.
+        texts = [p["text"].strip() for p in msg.get("parts", ()) if p["type"] == "text"] or [msg["content"].strip()]
+        text = next((t for t in texts if t and t not in full), "")
+        if text:
             hint = (" (this template writes only the tool call of a turn that has one: move the text to its own "
                     "assistant turn, or set tool_format: hermes)" if msg.get("tool_calls") else "")
             raise RecordError(f"{where}: the chat template leaves this message's text out of the rendered "

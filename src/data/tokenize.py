@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from .examples import AnyExample, Example, LabeledExample, PairExample, PromptExample, StepExample
+from .examples import AnyExample, Example, ImageExample, LabeledExample, PairExample, PromptExample, StepExample
 from .readers import Record, record_error
 from .render import (
     Rendered, RenderOptions, instruction_prompt, render_chat, render_conversation, render_prompt_only,
@@ -21,6 +21,7 @@ from .render import (
 )
 from .templates import require_chat_template
 from .tools import RecordError, resolve_tool_format, uses_tools
+from .vision import expand_images, is_vision_tokenizer
 
 BATCH = 512   # texts per tokenizer call: large enough to use the Rust threads, small enough to stay lean
 
@@ -55,7 +56,7 @@ def encode_by_pieces(tokenizer, item: Rendered, add_special_tokens: bool) -> tup
     boundaries at the cuts may differ from whole-text tokenization; masks are exact."""
     text = item.text
     cuts = {0, len(text)} | {a for a, _, _ in item.spans} | {b for _, b, _ in item.spans}
-    cuts |= {c + 1 for c in item.anchors}
+    cuts |= {c + 1 for c in item.anchors} | {c for span in item.blocked for c in span}
     bounds = sorted(c for c in cuts if 0 <= c <= len(text))
     ids: list[int] = []
     offsets: list[tuple[int, int]] = []
@@ -87,10 +88,15 @@ def build_example(tokenizer, item: Rendered, ids: list[int], offsets: np.ndarray
         real_idx = np.flatnonzero(real)
         at = np.searchsorted(starts[real_idx], np.asarray(item.anchors), side="right") - 1
         mask[real_idx[at]] = True
+    for a, b in item.blocked:                 # image runs never carry loss, whatever turn holds them
+        mask &= ~((starts < b) & (ends > a))
     eos = tokenizer.eos_token_id
     if item.append_eos and eos is not None and (len(ids_arr) == 0 or ids_arr[-1] != eos):
         ids_arr = np.append(ids_arr, np.int32(eos))
         mask = np.append(mask, train_on_eos != "none")
+    if item.images:
+        image_end = int((starts < max(b for _, b in item.blocked)).sum())
+        return ImageExample(ids_arr, mask, source, item.images, image_end)
     return Example(ids_arr, mask, source)
 
 
@@ -104,10 +110,12 @@ def tokenize_records(tokenizer, fmt: str, records: list[Record], opts: RenderOpt
         opts = replace(opts, tool_format=tool_format_for(tokenizer, opts, records))
     render, assemble = _FORMATS[fmt]
     sources = [f"{name}:{r.line}" if r.line is not None else f"{name} row {r.row}" for r in records]
+    vision = is_vision_tokenizer(tokenizer)
     rendered = []
     for r in records:
         try:
-            rendered.append(render(tokenizer, r.data, opts))
+            item = render(tokenizer, r.data, opts)
+            rendered.append(expand_images(tokenizer, item, r.data) if vision and fmt == "chat" else item)
         except RecordError as exc:
             raise record_error(name, r, str(exc)) from None
     per_record = [len(x) if isinstance(x, tuple) else 1 for x in rendered]

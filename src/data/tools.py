@@ -36,9 +36,10 @@ class RecordError(ValueError):
 
 # --------------------------------------------------------------------------- checking records
 
-def join_content_parts(parts: list, where: str) -> str:
+def join_content_parts(parts: list, where: str, images: bool = False) -> str:
     """Text parts joined with nothing between them, as transformers' chat templates do
-    (``{% for part in content %}{% if part.type == 'text' %}{{ part.text }}``)."""
+    (``{% for part in content %}{% if part.type == 'text' %}{{ part.text }}``). Image parts are
+    skipped with `images` (a vision-language model: formats.image_parts keeps them), refused otherwise."""
     texts = []
     for j, part in enumerate(parts):
         at = f"{where}[{j}]"
@@ -46,8 +47,12 @@ def join_content_parts(parts: list, where: str) -> str:
             raise ValueError(f"{at} must be a content part such as {{'type': 'text', 'text': ...}}, found {_show(part)}")
         kind = part.get("type", "text" if "text" in part else None)
         if kind in IMAGE_PART_TYPES or (kind is None and ("image" in part or "image_url" in part)):
-            raise ValueError(f"{at} is an image part; images need a vision-language model and its processor, "
-                             "which this text pipeline does not handle: remove the image parts or use text-only data")
+            if images:
+                continue
+            raise ValueError(f"{at} is an image part; images are read by vision-language models, in chat records, "
+                             "and this is a text-only model (or not a chat record): remove the image parts, use "
+                             "text-only data, or train a vision-language model on chat records (set model.vision: "
+                             "true if base_model is one; docs/data.md#images)")
         if kind not in TEXT_PART_TYPES:
             raise ValueError(f"{at} has type {kind!r}; only text parts (type 'text') can be used here")
         if not isinstance(part.get("text"), str):

@@ -1,7 +1,8 @@
 """Supervised fine-tuning: one readable recipe, written against the backend protocol.
 
 Supports: chat, text, instruction and completion data (loss on the trained
-roles / the response; see docs/data.md), exact packing and token-budget
+roles / the response; see docs/data.md), chat with images for vision-language
+models (the backend's processor makes the pixels; not packed), exact packing and token-budget
 batching; full fine-tuning, LoRA and DoRA; AdamW, SGD or Adafactor; linear,
 cosine, cosine-with-restarts, polynomial or constant schedules with warmup;
 gradient accumulation weighted by tokens; clipping; bf16 autocast where the

@@ -53,6 +53,10 @@ class MlxBackend:
         """The model at its storage precision (loading.py). `model.dtype: auto` keeps a frozen base
         (no adapter, or lora/dora/qlora) in the compute dtype and weights trained in full
         (adapter.type none) in fp32; with a qlora adapter each linear layer is quantized as it is read."""
+        from ...data.vision import MLX_VISION, is_vision_model
+
+        if is_vision_model(model_cfg):      # refused before anything loads
+            raise MudpuppyError(f"model {model_cfg.base_model} is a vision-language model: {MLX_VISION}")
         return load_model(model_cfg, precision, self.gpu, head, adapter)
 
     def save_model(self, handle: MlxModel, path: str) -> None:

@@ -29,6 +29,7 @@ from .loading import compact_dtype, load_model_weights, storage_dtype
 from .frozen import FrozenLinear, compute_compact_embeddings
 from .memory import return_freed_host_memory
 from .ops import TorchOps
+from .vision import backbone, freeze_vision_tower, is_vision_checkpoint, lora_targets, pixel_inputs
 
 IGNORE_INDEX = -100
 # Scalar-head models: the transformers Auto class, the classes per position, PEFT's task type
@@ -73,6 +74,8 @@ class TorchModel:
     head: str | None = None           # None (causal LM) or a key of HEADS
     load_report: Any = None           # loading.LoadReport: how and at which dtype the weights were read
     adapter_type: str | None = None   # set by attach_adapter: none, lora, dora or qlora
+    processor: Any = None             # vision-language models: their AutoProcessor (vision.py); None for text
+    freeze_vision: bool = True        # model.freeze_vision, applied by attach_adapter
 
 
 def _gathered(method):
@@ -118,7 +121,17 @@ class TorchBackend:
                 f"model.base_model {model_cfg.base_model!r} is a converted QAT model: integer weights for "
                 "inference (eval, chat, serve, export), which no adapter or optimizer can train. Train on its "
                 "float fine-tune (the QAT run's trained/ directory) or on `mudpuppy export --format merged` of it")
-        tokenizer = self.load_tokenizer(model_cfg, resolved.path)
+        vision = head is None and is_vision_checkpoint(model_cfg, resolved.path)
+        if vision:
+            from ...data.vision import load_vision_tokenizer
+
+            if adapter is not None and adapter.type == "qlora":
+                raise MudpuppyError("adapter.type: qlora is not available for vision-language models; use lora, "
+                                    "dora or none")
+            auto_class = "AutoModelForImageTextToText"
+            tokenizer = load_vision_tokenizer(model_cfg.tokenizer or str(resolved.path), model_cfg.trust_remote_code)
+        else:
+            tokenizer = self.load_tokenizer(model_cfg, resolved.path)
         compute = self.compute_dtype(precision)
         kind = adapter.type if adapter is not None else None
         dtype = storage_dtype(model_cfg.dtype, compute, trains_in_full=kind == "none")
@@ -130,6 +143,8 @@ class TorchBackend:
                 auto_class, resolved.path, dtype, self.plan.device, self._frozen_planner(adapter, dtype, compact),
                 model_cfg.trust_remote_code, head_kwargs, new_modules=SCALAR_HEADS if head else ())
         model.config.use_cache = False
+        if vision and hasattr(model.config, "text_config"):
+            model.config.text_config.use_cache = False
         if compact:
             compute_compact_embeddings(model, dtype)
         if head:
@@ -139,7 +154,9 @@ class TorchBackend:
             from .devices import convert_to_fp8
 
             convert_to_fp8(model)
-        return TorchModel(model, tokenizer, str(resolved.path), compute, head, report)
+        return TorchModel(model, tokenizer, str(resolved.path), compute, head, report,
+                          processor=tokenizer.processor if vision else None,
+                          freeze_vision=getattr(model_cfg, "freeze_vision", True))
 
     def _frozen_planner(self, adapter, dtype: torch.dtype, compact: torch.dtype | None):
         """Which linear layers of the base become frozen layers while loading (frozen.py), and how:
@@ -217,6 +234,8 @@ class TorchBackend:
         if adapter_cfg.type == "none":
             for p in model.parameters():
                 p.requires_grad_(True)
+            if handle.processor is not None and handle.freeze_vision:
+                freeze_vision_tower(model)
             targets: list[str] = []
         else:
             from peft import LoraConfig, get_peft_model
@@ -225,11 +244,15 @@ class TorchBackend:
 
             if adapter_cfg.type == "qlora":
                 quantization = self.quantize_base(handle, adapter_cfg)
-            targets = self._target_modules(model, adapter_cfg.target_modules)
+            if handle.processor is not None:
+                targets, spec = lora_targets(model, adapter_cfg.target_modules, handle.freeze_vision,
+                                             choose_target_modules)
+            else:
+                targets = spec = self._target_modules(model, adapter_cfg.target_modules)
             task = HEADS[handle.head][2] if handle.head else "CAUSAL_LM"
             config = LoraConfig(
                 r=adapter_cfg.r, lora_alpha=adapter_cfg.alpha, lora_dropout=adapter_cfg.dropout,
-                target_modules=targets, use_dora=adapter_cfg.type == "dora",
+                target_modules=spec, use_dora=adapter_cfg.type == "dora",
                 use_rslora=adapter_cfg.rslora, task_type=task,
             )
             # PEFT reads each wrapped layer's weight only for its device and dtype, except DoRA (its norms).
@@ -346,12 +369,17 @@ class TorchBackend:
             self.engine = Engine(strategy, handle.model, self.plan, self.plan.distributed)
         return TorchTrainer(self, handle, training_cfg, offload, self.engine)
 
-    def _tensors(self, batch, model, every_position: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _tensors(self, batch, model, every_position: bool = False,
+                 processor=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Model keyword inputs and the labels. A packed batch gets its per-segment
-        positions and a block-diagonal causal mask (see attention.py)."""
+        positions and a block-diagonal causal mask (see attention.py); a vision-language
+        model's batch (with its `processor`) gets its pixels (vision.py)."""
         dev = self.plan.device
         inputs = {"input_ids": torch.as_tensor(batch.input_ids, device=dev)}
         labels = torch.as_tensor(batch.labels, device=dev)
+        if processor is not None:
+            inputs.update(pixel_inputs(processor, getattr(batch, "images", None) or [], _unwrap(model), dev,
+                                       inputs["input_ids"]))
         if getattr(batch, "segment_ids", None) is None:
             if every_position or not _is_right_padded(batch.attention_mask):
                 inputs["attention_mask"] = torch.as_tensor(batch.attention_mask, device=dev)
@@ -379,10 +407,11 @@ class TorchBackend:
         Only positions with a target go through the output head, in chunks, so
         a chat example whose answer is 5 tokens costs 5 rows of logits, not T.
         """
-        inputs, labels = self._tensors(batch, handle.model)
+        inputs, labels = self._tensors(batch, handle.model, processor=handle.processor)
         base = _unwrap(handle.model)
         with self._autocast(handle):
-            hidden = base.get_decoder()(**inputs).last_hidden_state
+            body = backbone(base) if handle.processor is not None else base.get_decoder()
+            hidden = body(**inputs).last_hidden_state
             keep = labels != IGNORE_INDEX
             hidden, targets = hidden[keep], labels[keep]
             head = base.get_output_embeddings()
@@ -452,7 +481,7 @@ class TorchBackend:
     @torch.no_grad()
     def logits(self, handle: TorchModel, batch) -> np.ndarray:
         handle.model.eval()
-        inputs, _ = self._tensors(batch, handle.model, every_position=True)
+        inputs, _ = self._tensors(batch, handle.model, every_position=True, processor=handle.processor)
         with self._autocast(handle):
             out = handle.model(**inputs).logits
         return out.float().cpu().numpy()
