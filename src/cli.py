@@ -75,6 +75,9 @@ config_option = click.option("--config", "-c", "config_path", required=True,
 set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                           help="Override a config value, e.g. --set training.max_steps=5 (repeatable).")
 debug_option = click.option("--debug", is_flag=True, help="Show tracebacks for user errors too.")
+tui_option = click.option("--tui", is_flag=True,
+                          help="A live dashboard while training: progress, metrics with sparklines, hardware, log "
+                               "(logging.tui). Off a terminal, plain progress lines.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -109,9 +112,10 @@ def _quiet_libraries() -> None:
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Train with N processes on this node: torchrun's engine (torch), mlx.launch (MLX). "
                    "See docs/distributed.md for several nodes.")
+@tui_option
 @debug_option
 @_handle_errors
-def run(config_file, config_path, backend, overrides, overwrite, resume, nproc, debug):
+def run(config_file, config_path, backend, overrides, overwrite, resume, nproc, tui, debug):
     """Run the training job a config describes: mudpuppy run CONFIG (or -c CONFIG)."""
     from . import load_config
 
@@ -126,9 +130,11 @@ def run(config_file, config_path, backend, overrides, overwrite, resume, nproc, 
     if is_curriculum(config_path):
         if nproc and nproc > 1:
             raise MudpuppyError("--nproc: a curriculum runs in one process for now")
-        _run_curriculum(config_path, list(overrides) + ([f"backend={backend}"] if backend else []), overwrite)
+        _run_curriculum(config_path, list(overrides) + ([f"backend={backend}"] if backend else [])
+                        + (["logging.tui=true"] if tui else []), overwrite)
         return
     overrides = list(overrides) + ([f"backend={backend}"] if backend else []) + (["resume=true"] if resume else [])
+    overrides += ["logging.tui=true"] if tui else []
     _train(load_config(config_path, overrides), overwrite, nproc)
 
 
@@ -143,13 +149,18 @@ def _train(cfg, overwrite: bool, nproc: int | None) -> None:
             raise MudpuppyError("--nproc: this process is already one of a distributed run (started by torchrun or "
                                 "mlx.launch); drop --nproc, the launcher sets the number of processes")
         sys.exit(_launch(cfg, nproc))
-    impl = create_backend(cfg.backend, **cfg.backend_options())
-    # In a distributed run rank 0 speaks for all.
-    say = click.echo if getattr(impl, "ranks", None) is None or impl.ranks.is_main else (lambda *_a, **_k: None)
-    say(f"backend: {impl.name} on {impl.device}")
-    for note in getattr(getattr(impl, "plan", None), "notes", []):
-        say(f"  {note}")
-    result = run_method(cfg, impl, overwrite=overwrite, echo=say)
+    from .monitor.live import watch_run
+
+    with watch_run(cfg.logging.tui) as echo:       # the dashboard (or plain lines) from before the model loads
+        impl = create_backend(cfg.backend, **cfg.backend_options())
+        # In a distributed run rank 0 speaks for all.
+        main = getattr(impl, "ranks", None) is None or impl.ranks.is_main
+        say = echo if main else (lambda *_a, **_k: None)
+        say(f"backend: {impl.name} on {impl.device}")
+        for note in getattr(getattr(impl, "plan", None), "notes", []):
+            say(f"  {note}")
+        result = run_method(cfg, impl, overwrite=overwrite, echo=say)
+    say = click.echo if main else say                 # the dashboard has stopped: the table goes below it
     say(_table(result))
     say(f"saved to {result.output_dir} ({result.steps} steps, {result.seconds:.0f} s, "
                f"{result.tokens_per_second:.0f} tokens/s while training)")
@@ -200,13 +211,14 @@ def _train(cfg, overwrite: bool, nproc: int | None) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an output directory that already holds a run.")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in --output.")
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help="Train with N processes on this node.")
+@tui_option
 @debug_option
 @_handle_errors
 def train(model, data, method, preference, output, val_data, backend, precision, batch_size, gradient_accumulation,
           learning_rate, epochs, max_steps, lr_scheduler, warmup_steps, sequence_len, lora_targets, lora_r, lora_alpha,
           quant_backend, merge_lora, merge_precision, stream, zero_offload, tokens_per_batch, gradient_checkpointing,
           compile_, no_chat_template, trust_remote_code, early_stopping, eval_steps, save_steps, log_with, rewards,
-          seed, write_config, overwrite, resume, nproc, debug):
+          seed, write_config, overwrite, resume, nproc, tui, debug):
     """Train MODEL on DATA without a YAML file (the seed's command line): mudpuppy train MODEL DATA --method lora.
 
     The flags become a config (docs/cli.md#train says which key each sets); the run writes it to
@@ -228,6 +240,8 @@ def train(model, data, method, preference, output, val_data, backend, precision,
         rewards=rewards, seed=seed)
     if resume:
         raw["resume"] = True
+    if tui:
+        raw.setdefault("logging", {})["tui"] = True
     cfg = load_config(raw)                      # a bad flag gets the config's message, naming the key it sets
     if write_config:
         target = Path(write_config)
@@ -280,11 +294,13 @@ def init(path, model, data, val_data, method, backend, output, yes, debug):
 
 def _run_curriculum(config_path, overrides: list[str], overwrite: bool) -> None:
     """A config with `stages:`: each stage a run, resumed where it stopped when run again (--resume is implied)."""
+    from .monitor.live import watch_run
     from .training.curriculum import load_curriculum, run_curriculum
 
     cur = load_curriculum(config_path, overrides)
-    click.echo(f"curriculum: {len(cur.stages)} stages -> {cur.output_dir}")
-    result = run_curriculum(cur, overwrite=overwrite, echo=click.echo)
+    with watch_run(any(stage.cfg.logging.tui for stage in cur.stages)) as echo:
+        echo(f"curriculum: {len(cur.stages)} stages -> {cur.output_dir}")
+        result = run_curriculum(cur, overwrite=overwrite, echo=echo)
     click.echo(f"report: {result.output_dir / 'curriculum.md'} ({len(result.ran)} stages trained now)")
 
 

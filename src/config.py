@@ -357,6 +357,9 @@ class LoggingConfig(_Strict):
     progress_every: int | None = Field(
         None, gt=0, description="when stdout is not a terminal, one progress line every N steps "
                                 "(default: about 20 lines per run, and always the first and last step)")
+    tui: bool = Field(False, description="a live terminal dashboard while the run trains (progress, metrics with "
+                                         "sparklines, hardware, log, samples); off a terminal, plain lines "
+                                         "(docs/cli.md#the---tui-dashboard)")
     report_to: list[Literal["tensorboard", "mlflow", "trackio", "wandb"]] = Field(
         default_factory=list, description="experiment trackers, each offline by default (docs/cli.md#trackers)")
     project: str | None = Field(None, description="tracker project / experiment name (default: mudpuppy)")

@@ -29,8 +29,10 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
 
     from ..distributed import current
     from ..errors import MudpuppyError
+    from ..monitor.live import note_run
 
     backend = backend or create_backend(cfg.backend, **cfg.backend_options())
+    note_run(cfg, backend)          # the --tui dashboard's header, when one is drawing
     ranks = current()
     if ranks.distributed:
         if cfg.method == "grpo":

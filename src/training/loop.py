@@ -24,6 +24,7 @@ from typing import Callable
 from ..data import Batcher
 from ..distributed import current as current_ranks
 from ..errors import MudpuppyError, OutOfDeviceMemory
+from ..monitor.live import active as active_dashboard
 from . import checkpoints, outputs
 from .schedule import learning_rate
 from .trackers import open_trackers
@@ -143,7 +144,7 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
     main = current_ranks().is_main          # in a distributed run rank 0 alone logs
     log = outputs.MetricsLog(out, truncate_after=state.step, trackers=open_trackers(cfg, out)) if main \
         else outputs.NoLog()
-    bar = progress_bar(steps, state.step, cfg.logging.progress_bar and main, cfg.logging.progress_every)
+    log, bar = watch_progress(cfg, log, steps, state.step, main)
     fault_step = fault_injection_step()
     last_saved = state.step
     try:
@@ -168,6 +169,10 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
             state.lrs.append(lr)
             # A batcher that makes its batches (GRPO's rollouts) reports what making them showed.
             made = batcher.pop_metrics() if hasattr(batcher, "pop_metrics") else {}
+            # ... and a few of the completions it sampled, which the --tui dashboard shows.
+            samples = batcher.pop_samples() if hasattr(batcher, "pop_samples") else []
+            if samples and hasattr(bar, "show_samples"):
+                bar.show_samples(samples)
             if state.step % cfg.logging.log_every == 0 or state.step == steps:
                 log.write(step=state.step, loss=round(res.loss, 6), lr=lr, tokens=res.tokens,
                           tokens_per_second=round(res.tokens / dt, 1), grad_norm=res.grad_norm,
@@ -274,16 +279,34 @@ def save_trained(cfg, backend, handle, out: Path) -> None:
             handle.tokenizer.save_pretrained(str(out))
 
 
+def watch_progress(cfg, log, total: int, done: int, main: bool):
+    """The metrics log and the progress display: the --tui dashboard's while one is drawing (rank 0 only),
+    else progress_bar's. After a dashboard failure, plain lines take over from the step reached."""
+    every, enabled = cfg.logging.progress_every, cfg.logging.progress_bar and main
+    dash = active_dashboard() if main else None
+    if dash is None:
+        return log, progress_bar(total, done, enabled, every)
+
+    def plain(reached: int):
+        return plain_progress(total, reached, every, sys.stderr) if enabled else None
+
+    return dash.watching(log), dash.progress(total, done, plain)
+
+
 def progress_bar(total: int, done: int, enabled: bool, every: int | None = None, stream=None):
     """A tqdm bar on a terminal; elsewhere (CI logs, files, pipes) plain lines, one every `every` steps."""
     if not enabled:
         return None
     stream = stream if stream is not None else sys.stderr
     if not (hasattr(stream, "isatty") and stream.isatty()):
-        return PlainProgress(total, done, every or max(1, round(total / 20)), stream)
+        return plain_progress(total, done, every, stream)
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True, file=stream)
+
+
+def plain_progress(total: int, done: int, every: int | None, stream) -> "PlainProgress":
+    return PlainProgress(total, done, every or max(1, round(total / 20)), stream)
 
 
 class PlainProgress:

@@ -37,6 +37,7 @@ from ..rewards import score
 from .grpo_loss import RolloutBatch, group_advantages, nanstd
 
 COMPLETIONS = "completions.jsonl"
+SAMPLES_SHOWN = 4       # completions of each generation the --tui dashboard shows: one per prompt
 
 
 class RolloutBatcher:
@@ -60,6 +61,7 @@ class RolloutBatcher:
         self.served = 0                              # micro-batches handed out so far
         self.buffer: list[RolloutBatch] = []
         self.pending: dict[str, float] = {}
+        self.pending_samples: list[dict] = []
 
     # -- what train_loop uses
     @property
@@ -81,6 +83,12 @@ class RolloutBatcher:
     def pop_metrics(self) -> dict[str, float]:
         """The metrics of a generation made during the step that just ran (empty otherwise)."""
         out, self.pending = self.pending, {}
+        return out
+
+    def pop_samples(self) -> list[dict]:
+        """A few completions of that generation, as {prompt, completion, reward (weighted total)}: texts,
+        which metrics.jsonl and the trackers do not take, so they travel apart from pop_metrics."""
+        out, self.pending_samples = self.pending_samples, []
         return out
 
     # -- one generation batch
@@ -112,6 +120,7 @@ class RolloutBatcher:
                                             adv.advantages[rows], trained[rows].tolist(), loss_tokens))
         # time/scoring: rewards, advantages and the old and reference log-probs, as docs/methods.md says.
         self.pending = self.metrics(rewards, adv, completions, truncated, sampled, time.perf_counter() - started)
+        self.pending_samples = self.samples(fields, texts, rewards)
         return micro
 
     def rollout_batch(self, prompts, completions, advantages, trained: list[bool], loss_tokens: int) -> RolloutBatch:
@@ -143,6 +152,13 @@ class RolloutBatcher:
             out[f"rewards/{f.name}/mean"] = nanmean(rewards[:, i])
             out[f"rewards/{f.name}/std"] = nanstd_or_zero(rewards[:, i])
         return out
+
+    def samples(self, fields, texts, rewards) -> list[dict]:
+        """The first completion of each of the first SAMPLES_SHOWN prompts, with its weighted reward."""
+        total = np.nansum(rewards * self.weights[None, :], axis=1)
+        rows = range(0, len(texts), self.g.num_generations)
+        return [{"prompt": fields[i]["prompt"], "completion": texts[i], "reward": float(total[i])}
+                for i in list(rows)[:SAMPLES_SHOWN]]
 
     def log(self, step: int, fields, texts, rewards, advantages) -> None:
         if self.log_path is None:

@@ -1,0 +1,8 @@
+"""What a person watching a run sees while it trains: the `--tui` dashboard.
+
+dashboard.py turns the recorded state of a run (its metrics lines, log lines,
+hardware readings and sample completions) into rich renderables, a pure
+function that tests render to a fixed-width console; live.py drives it on a
+terminal while a run trains, and falls back to plain progress lines when it
+cannot. Hardware readings come through the backend (backends/telemetry.py).
+"""
