@@ -27,6 +27,7 @@ from .vision import is_vision_model, is_vision_tokenizer, vision_problems
 from .images import resolve_images
 
 SKIPPED_SHOWN = 20     # bad-record locations kept for the report
+EVAL_TOOL_FORMAT = "_tool_format"   # key of an eval record: how its dataset rendered tool calls
 
 
 @dataclass
@@ -138,7 +139,10 @@ def tokenize_dataset(ds: LoadedDataset, tokenizer, has_template: bool,
 
 def record_for_eval(fmt: str, data: dict, opts: RenderOptions) -> dict:
     """The record as evaluation reads it: prompt/response data rendered as chat gets the
-    conversation it was trained as, so generation checks work on it too."""
+    conversation it was trained as, so generation checks work on it too; a record with tools
+    carries the tool format its dataset rendered them in."""
+    if uses_tools(data):
+        data = {**data, EVAL_TOOL_FORMAT: opts.tool_format}
     if not opts.chat or fmt not in ("instruction", "completion"):
         return data
     if fmt == "instruction":

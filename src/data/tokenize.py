@@ -20,7 +20,7 @@ from .render import (
     render_prompt_response, render_steps, render_text, trained_flags,
 )
 from .templates import require_chat_template
-from .tools import RecordError, resolve_tool_format, uses_tools
+from .tools import BUILTIN_TOOL_FORMATS, RecordError, resolve_tool_format, to_builtin_format, uses_tools
 from .vision import expand_images, is_vision_tokenizer
 
 BATCH = 512   # texts per tokenizer call: large enough to use the Rust threads, small enough to stay lean
@@ -202,11 +202,26 @@ _FORMATS: dict[str, tuple[Callable, Callable]] = {
 
 # --------------------------------------------------------------------------- generation
 
-def generation_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
-    """Prompt ids up to the last assistant turn, and that turn's text (the reference answer)."""
+def generation_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                      tool_format: str = "template") -> tuple[list[int], str]:
+    """Prompt ids up to the last assistant turn, rendered as training rendered the conversation, and
+    that turn as text (the reference answer): its content, or for a tool call the call as training
+    wrote it: a built-in format's text (`tools.to_builtin_format`), or what the template renders."""
+    if tool_format in BUILTIN_TOOL_FORMATS:
+        messages, _, _ = to_builtin_format(tool_format, messages, [False] * len(messages), tools)
+        tools = None
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None:
         raise ValueError("a conversation with no assistant turn has no reference answer")
-    text = render_chat(tokenizer, messages[:last], add_generation_prompt=True)
+    text = render_chat(tokenizer, messages[:last], add_generation_prompt=True, tools=tools)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return list(ids), messages[last]["content"]
+    if not messages[last].get("tool_calls"):
+        return list(ids), messages[last]["content"]
+    # The template writes the call: the reference is what it renders after the prompt, read back as a
+    # greedy answer is (special tokens such as the end-of-turn marker dropped).
+    whole = render_chat(tokenizer, messages[: last + 1], tools=tools)
+    if not whole.startswith(text):
+        raise ValueError("the chat template renders the conversation's start differently when the answer "
+                         "follows it, so the answer cannot be cut out of it as a reference")
+    answer = tokenizer(whole[len(text):], add_special_tokens=False)["input_ids"]
+    return list(ids), tokenizer.decode(answer, skip_special_tokens=True).rstrip()

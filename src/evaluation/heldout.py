@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..data import fixed_batches, generation_prompt
+from ..data.prepare import EVAL_TOOL_FORMAT
 
 
 @dataclass
@@ -58,7 +59,8 @@ def generate_answers(backend, handle, records: list[dict], max_new_tokens: int,
     that turn's text is the reference."""
     tok = handle.tokenizer
     stop = stop_token_ids(tok)
-    pairs = [generation_prompt(tok, r["messages"]) for r in records]
+    pairs = [generation_prompt(tok, r["messages"], r.get("tools"), r.get(EVAL_TOOL_FORMAT, "template"))
+             for r in records]
     answers = [""] * len(pairs)
     # Shortest prompts together: less left-padding per generation batch.
     order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))

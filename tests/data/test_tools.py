@@ -221,3 +221,41 @@ def test_preprocess_shows_the_call_in_loss_brackets(tmp_path, tiny_model_dir):
     assert "chat, 1 examples, tool calls written by hermes" in result.output
     assert ('<|im_start|>assistant\n[[<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
             '"unit": "celsius"}}\n</tool_call><|im_end|>]]') in result.output
+
+
+# --------------------------------------------------------------------------- held-out generation
+@pytest.mark.parametrize("fmt,template,marker", [
+    ("hermes", CHATML, "<|im_end|>"), ("llama3", LLAMA3, "<|eot_id|>"), ("template", QWEN25, "<|im_end|>")])
+def test_generation_prompt_of_a_tool_call_is_the_prefix_training_saw_and_the_call_its_reference(
+        tok, fmt, template, marker):
+    """Exact match on tool calls: the prompt renders the tools as training did, and the reference is the
+    call as training wrote it (what a greedy answer decodes to), not the empty content beside it."""
+    from mudpuppy.data.tokenize import generation_prompt
+
+    record = conversation()
+    record["messages"] = record["messages"][:2]                     # the last assistant turn is the call
+    ex = tokenize(tok, record, template=template, tool_format=fmt)[0]
+    normalized = normalize_record("chat", record)
+    prompt_ids, reference = generation_prompt(tok, normalized["messages"], normalized["tools"], fmt)
+    assert ex.input_ids[: len(prompt_ids)].tolist() == prompt_ids
+    assert not ex.loss_mask[: len(prompt_ids)].any() and ex.loss_mask[len(prompt_ids)]
+    [trained] = trained_text(tok, ex)
+    assert reference == trained.removesuffix(marker).rstrip() and "get_weather" in reference
+    assert "Paris" in reference
+
+
+def test_held_out_records_carry_their_datasets_tool_format(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from mudpuppy import load_config
+    from mudpuppy.data import prepare_data
+    from mudpuppy.data.prepare import EVAL_TOOL_FORMAT
+
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(conversation()) + "\n" + json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    cfg = load_config({"model": {"base_model": str(tiny_model_dir)}, "output_dir": str(tmp_path / "out"),
+                       "data": {"datasets": [{"path": str(path)}],
+                                "val_datasets": [{"path": str(path), "tool_format": "hermes"}]}})
+    data = prepare_data(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), use_cache=False)
+    assert [r.get(EVAL_TOOL_FORMAT) for r in data.val_records] == ["hermes", None]
