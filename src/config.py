@@ -346,7 +346,7 @@ class DistributedConfig(_Strict):
     cpu_offload: bool = Field(
         False, description="fsdp: keep the sharded parameters, gradients and optimizer state in host memory")
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="fsdp: auto = bf16 parameters with fp32 gradient reduction where the device computes "
+        "auto", description="fsdp: auto = bf16 parameters with fp32 gradient reduction where the run computes "
                             "in bf16, fp32 otherwise")
     timeout_s: int = Field(600, gt=0, description="a collective waiting longer than this ends the run")
 

@@ -366,7 +366,7 @@ class TorchBackend:
             if problem:
                 raise MudpuppyError(problem)
             # Before the optimizer is built: FSDP replaces the parameters with their shards.
-            self.engine = Engine(strategy, handle.model, self.plan, self.plan.distributed)
+            self.engine = Engine(strategy, handle.model, self.plan, self.plan.distributed, handle.autocast_dtype)
         return TorchTrainer(self, handle, training_cfg, offload, self.engine)
 
     def _tensors(self, batch, model, every_position: bool = False,

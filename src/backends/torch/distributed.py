@@ -101,7 +101,7 @@ class Step(torch.nn.Module):
 class Engine:
     """One model wrapped for N processes; the trainer runs each micro-batch through `run`."""
 
-    def __init__(self, strategy: str, model, plan, cfg):
+    def __init__(self, strategy: str, model, plan, cfg, compute_dtype: torch.dtype | None = None):
         self.strategy = strategy
         self.ranks = ranks_module.current()
         self.in_step = False
@@ -114,7 +114,7 @@ class Engine:
             self.wrapped = DistributedDataParallel(self.step_module, device_ids=device_ids,
                                                    find_unused_parameters=False, broadcast_buffers=False)
         else:
-            self.wrapped = shard_model(self.step_module, model, plan, cfg)
+            self.wrapped = shard_model(self.step_module, model, compute_dtype, cfg)
 
     @contextlib.contextmanager
     def micro_batch(self, sync: bool):
@@ -161,11 +161,11 @@ class Engine:
         return float(norm)
 
 
-def shard_model(step_module, model, plan, cfg):
+def shard_model(step_module, model, compute_dtype: torch.dtype | None, cfg):
     """FSDP2: each decoder layer a unit (with its LoRA matrices), the rest under the root."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    policy = mixed_precision(cfg.mixed_precision, plan)
+    policy = mixed_precision(cfg.mixed_precision, compute_dtype)
     offload = CPUOffloadPolicy() if cfg.cpu_offload else None
     extra = {"offload_policy": offload} if offload is not None else {}
     layers = decoder_layers(model)
@@ -174,10 +174,12 @@ def shard_model(step_module, model, plan, cfg):
     return fully_shard(step_module, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy, **extra)
 
 
-def mixed_precision(choice: str, plan):
+def mixed_precision(choice: str, compute_dtype: torch.dtype | None):
+    """auto follows the run's compute dtype (training.precision resolved for the device), not the
+    device's preference alone: a run that asked for fp32 on a bf16-native CPU stays fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    bf16 = choice == "bf16" or (choice == "auto" and plan.autocast_dtype == torch.bfloat16)
+    bf16 = choice == "bf16" or (choice == "auto" and compute_dtype == torch.bfloat16)
     if bf16:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
