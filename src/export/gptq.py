@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MudpuppyError
-from .tensors import copy_tokenizer_files, model_tensors
+from .tensors import model_tensors, write_float_model
 
 
 def unpack_rows(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -57,8 +57,6 @@ def dequantize_layer(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray
 
 def dequantize_gptq_dir(source: Path, target: Path) -> None:
     """Write the GPTQ model in `source` to `target` as a plain float32 safetensors model."""
-    from safetensors.numpy import save_file
-
     source, target = Path(source), Path(target)
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization_config") or {}
@@ -87,9 +85,4 @@ def dequantize_gptq_dir(source: Path, target: Path) -> None:
             out[name] = tensor.float32()
         else:
             raise MudpuppyError(f"{source}: tensor {name} ({tensor.dtype}) is not part of the GPTQ layout")
-    target.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
-    plain = {k: v for k, v in config.items() if k != "quantization_config"}
-    plain["dtype"] = "float32"
-    (target / "config.json").write_text(json.dumps(plain, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    copy_tokenizer_files(source, target)
+    write_float_model(source, target, config, out)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MudpuppyError
-from .tensors import copy_tokenizer_files, model_tensors
+from .tensors import model_tensors, write_float_model
 
 FORMAT_VERSION = 1
 
@@ -40,8 +40,6 @@ def dequantize_layer(qweight: np.ndarray, scales: np.ndarray, bits: int) -> np.n
 
 def dequantize_qat_dir(source: Path, target: Path) -> None:
     """Write the converted QAT model in `source` to `target` as a plain float32 safetensors model."""
-    from safetensors.numpy import save_file
-
     source, target = Path(source), Path(target)
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization_config") or {}
@@ -67,9 +65,4 @@ def dequantize_qat_dir(source: Path, target: Path) -> None:
     if missing:
         raise MudpuppyError(f"{source}: quantization_config lists {', '.join(missing[:3])} but the weights hold no "
                             "codes for them")
-    target.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
-    plain = {k: v for k, v in config.items() if k != "quantization_config"}
-    plain["dtype"] = "float32"
-    (target / "config.json").write_text(json.dumps(plain, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    copy_tokenizer_files(source, target)
+    write_float_model(source, target, config, out)

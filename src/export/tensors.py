@@ -106,3 +106,17 @@ def copy_tokenizer_files(source: Path, target: Path) -> None:
         for f in Path(source).glob(pattern):
             if f.is_file():
                 shutil.copy2(f, Path(target) / f.name)
+
+
+def write_float_model(source: Path, target: Path, config: dict, weights: dict[str, np.ndarray]) -> None:
+    """`target` as a plain float32 model directory: `weights`, `config` without its quantization_config,
+    and `source`'s tokenizer files. What every dequantizer (export/source.py DEQUANTIZERS) ends with."""
+    from safetensors.numpy import save_file
+
+    target = Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    plain["dtype"] = "float32"
+    (target / "config.json").write_text(json.dumps(plain, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    copy_tokenizer_files(source, target)

@@ -60,3 +60,26 @@ def greedy(model, ids, n: int, stop: int) -> list[int]:
         out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              do_sample=False, max_new_tokens=n, eos_token_id=[stop], pad_token_id=stop)
     return out[0, len(ids):].tolist()
+
+
+def export_quantized(model_dir: Path, src: Path, tensors: dict, quantization_config: dict) -> tuple[Path, dict]:
+    """`tensors` (numpy) saved as a quantized model directory `src` (model_dir's config with
+    `quantization_config`, its tokenizer), then `mudpuppy export --format merged --dtype fp32` of it:
+    (the export's directory, its tensors)."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from mudpuppy.export import ExportRequest, export_model
+
+    src.mkdir(exist_ok=True)
+    save_file(tensors, str(src / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (src / "config.json").write_text(json.dumps(config))
+    for f in model_dir.glob("tokenizer*"):
+        shutil.copy(f, src / f.name)
+    out = src.parent / f"{src.name}-merged"
+    export_model(ExportRequest(str(src), "merged", str(out), dtype="fp32"), echo=lambda *_a, **_k: None)
+    return out, load_file(str(out / "model.safetensors"))

@@ -4,12 +4,11 @@ float32 weights its codes, zero points, scales and act-order groups stand for.""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
-from mudpuppy.export import ExportRequest, export_model
+from .conftest import export_quantized
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 16
@@ -58,11 +57,10 @@ def quantize_linear(w: np.ndarray, bits: int, rng) -> tuple[dict, np.ndarray]:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_gptq_model_exports_as_its_dequantized_weights(tiny_model_dir, tmp_path, bits):
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import load_file
 
     rng = np.random.default_rng(bits)
     src = tmp_path / "gptq"
-    src.mkdir()
     plain = load_file(str(tiny_model_dir / "model.safetensors"))
     tensors, expected = {}, {}
     for name, value in plain.items():
@@ -72,17 +70,9 @@ def test_a_gptq_model_exports_as_its_dequantized_weights(tiny_model_dir, tmp_pat
             tensors.update({f"{base}.{k}": v for k, v in stored.items()})
         else:
             tensors[name] = expected[name] = value
-    save_file(tensors, str(src / "model.safetensors"))
-    config = json.loads((tiny_model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": GROUP, "desc_act": True,
-                                     "sym": False, "checkpoint_format": "gptq"}
-    (src / "config.json").write_text(json.dumps(config))
-    for f in tiny_model_dir.glob("tokenizer*"):
-        shutil.copy(f, src / f.name)
-
-    out = tmp_path / "merged"
-    export_model(ExportRequest(str(src), "merged", str(out), dtype="fp32"), echo=lambda *_a, **_k: None)
-    merged = load_file(str(out / "model.safetensors"))
+    out, merged = export_quantized(tiny_model_dir, src, tensors, {
+        "quant_method": "gptq", "bits": bits, "group_size": GROUP, "desc_act": True, "sym": False,
+        "checkpoint_format": "gptq"})
     assert set(merged) == set(expected)
     for name, value in merged.items():
         np.testing.assert_allclose(value, expected[name], atol=1e-6, rtol=0, err_msg=name)

@@ -3,7 +3,6 @@ weights its codes and scales stand for."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
@@ -11,15 +10,16 @@ import pytest
 
 from mudpuppy.export import ExportRequest, export_model
 
+from .conftest import export_quantized
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.mark.parametrize(("bits", "group"), [(4, 16), (8, -1)])
 def test_a_converted_qat_model_exports_as_its_dequantized_weights(tiny_model_dir, tmp_path, bits, group):
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import load_file
 
     src = tmp_path / "qat"
-    src.mkdir()
     plain = load_file(str(tiny_model_dir / "model.safetensors"))
     top = 2 ** (bits - 1) - 1
     tensors, expected, modules = {}, {}, []
@@ -39,18 +39,9 @@ def test_a_converted_qat_model_exports_as_its_dequantized_weights(tiny_model_dir
             codes = u[:, 0::2] | (u[:, 1::2] << 4)
         tensors[f"{base}.qweight"], tensors[f"{base}.scales"] = codes, scales
         modules.append(base)
-    save_file(tensors, str(src / "model.safetensors"))
-    config = json.loads((tiny_model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mudpuppy_qat", "format_version": 1, "weight_bits": bits,
-                                     "group_size": group, "symmetric": True, "activations": "none",
-                                     "modules": modules}
-    (src / "config.json").write_text(json.dumps(config))
-    for f in tiny_model_dir.glob("tokenizer*"):
-        shutil.copy(f, src / f.name)
-
-    out = tmp_path / "merged"
-    export_model(ExportRequest(str(src), "merged", str(out), dtype="fp32"), echo=lambda *_a, **_k: None)
-    merged = load_file(str(out / "model.safetensors"))
+    _, merged = export_quantized(tiny_model_dir, src, tensors, {
+        "quant_method": "mudpuppy_qat", "format_version": 1, "weight_bits": bits, "group_size": group,
+        "symmetric": True, "activations": "none", "modules": modules})
     assert set(merged) == set(expected)
     for name, value in merged.items():
         np.testing.assert_allclose(value, expected[name], atol=1e-6, rtol=0, err_msg=name)
