@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mudpuppy.backends.torch.quant_formats import (
@@ -352,14 +353,64 @@ def test_gpu_dequantization_matches_cpu(backend):
 
 @pytest.mark.parametrize("backend,group", [("int4", 64), ("int4", None), ("mxfp4", None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_dequantization_gives_the_eager_values_bit_for_bit(backend, group, dtype):
-    """QLoRA layers dequantize through one compiled kernel where inductor can build it; a merge
-    rebuilds the base from the same codes, so it must be exactly the eager result."""
+def test_fused_dequantization_gives_the_eager_values_bit_for_bit(backend, group, dtype, monkeypatch):
+    """QLoRA layers dequantize through a compiled kernel per layer shape; a merge rebuilds the base
+    from the same codes with the eager code, so the kernel must give exactly the eager result,
+    written into the buffer it is handed. 330 inputs: not a whole number of groups or blocks."""
     from mudpuppy.backends.torch import quantize
     from mudpuppy.backends.torch.quant_formats import dequantize_weight, quantize_weight
 
+    monkeypatch.setattr(quantize, "FUSED_MIN_WEIGHTS", 0)   # compile even this small layer
     weight = torch.randn(200, 330, generator=torch.Generator().manual_seed(1))
     tensors = quantize_weight(weight, backend, group)
-    fused = quantize.fast_dequantize(tensors, backend, 330, dtype)
-    assert quantize._DEQUANTIZERS["cpu"] is not dequantize_weight, "no fused kernel was built on this machine"
+    out = torch.full((200, 330), float("nan"), dtype=dtype)
+    fused = quantize.fast_dequantize(tensors, backend, 330, dtype, out=out)
+    kernel = quantize._CPU_KERNELS[(backend, *(tuple(t.shape) for t in tensors.values()), 330, dtype)]
+    assert kernel is not dequantize_weight, "no fused kernel was built on this machine"
+    assert fused.data_ptr() == out.data_ptr()
     assert torch.equal(fused, dequantize_weight(tensors, backend, 330, dtype))
+    # A second weight of the same shape runs the same kernel (no second check), and is still exact.
+    again = quantize_weight(weight.flip(0) * 3, backend, group)
+    assert torch.equal(quantize.fast_dequantize(again, backend, 330, dtype, out=out),
+                       dequantize_weight(again, backend, 330, dtype))
+
+
+def test_a_kernel_that_disagrees_with_the_eager_values_is_not_used(monkeypatch):
+    """The first call of each shape compares the compiled kernel with the eager code; one that
+    differs (here: made to add one ulp) is dropped for that shape, and the eager values come back."""
+    from mudpuppy.backends.torch import quantize
+    from mudpuppy.backends.torch.quant_formats import dequantize_weight, quantize_weight
+
+    monkeypatch.setattr(quantize, "FUSED_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(quantize, "_CPU_KERNELS", {})
+    exact = quantize._fused_int4
+
+    def off_by_one_ulp(qweight, scales, mins, in_features, out):
+        result = exact(qweight, scales, mins, in_features, out)
+        return result.copy_(torch.nextafter(result, torch.full_like(result, float("inf"))))
+
+    monkeypatch.setattr(quantize, "_fused_int4", off_by_one_ulp)
+    tensors = quantize_weight(torch.randn(64, 96, generator=torch.Generator().manual_seed(2)), "int4", 32)
+    result = quantize.fast_dequantize(tensors, "int4", 96, torch.float32)
+    assert list(quantize._CPU_KERNELS.values()) == [dequantize_weight]
+    assert torch.equal(result, dequantize_weight(tensors, "int4", 96, torch.float32))
+
+
+def test_frozen_layers_reuse_one_scratch_buffer_and_train_as_before():
+    """Forward and backward of frozen layers materialize into one reused buffer per dtype on a CPU;
+    the outputs and gradients equal F.linear on the dequantized weight, layer after layer."""
+    from mudpuppy.backends.torch.frozen import scratch_weight
+
+    torch.manual_seed(0)
+    big = Linear4bit.from_linear(nn.Linear(96, 160), "int4", group_size=32)
+    small = Linear4bit.from_linear(nn.Linear(160, 48), "int4", group_size=32)
+    x = torch.randn(5, 96, requires_grad=True)
+    y = small(big(x))
+    y.square().sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = F.linear(F.linear(x2, big.dequantize(), big.bias), small.dequantize(), small.bias)
+    y2.square().sum().backward()
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+    first, second = scratch_weight(big, torch.float32), scratch_weight(small, torch.float32)
+    assert first.shape == (160, 96) and second.shape == (48, 160)
+    assert first.data_ptr() == second.data_ptr()      # one buffer, viewed at each layer's shape

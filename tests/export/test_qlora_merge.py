@@ -22,7 +22,7 @@ def test_a_qlora_run_merges_into_the_dequantized_base(tiny_model_dir, tmp_path, 
     from mudpuppy.backends.torch import quantize
 
     # The eager dequantizer (the compiled one gives the same values bit for bit, and costs a compile here).
-    monkeypatch.setitem(quantize._DEQUANTIZERS, "cpu", quantize.dequantize_weight)
+    monkeypatch.setenv(quantize.EAGER_ENV, "1")
 
     from mudpuppy.data.batch import Batch
     from mudpuppy.evaluation.targets import run_column

@@ -29,6 +29,7 @@ adapter was trained against.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -103,10 +104,12 @@ class FrozenLinearFunction(torch.autograd.Function):
             ctx.kept = False
             out = torch.cat([F.linear(x, layer.materialize_rows(a, b, x.dtype)) for a, b in row_spans(layer)], -1)
             return out if bias is None else out + bias
-        weight = layer.materialize(x.dtype)
         ctx.kept = layer.keep_for_backward
         if ctx.kept:
+            weight = layer.materialize(x.dtype)
             ctx.save_for_backward(weight)
+        else:
+            weight = layer.materialize(x.dtype, out=scratch_weight(layer, x.dtype))
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -117,7 +120,10 @@ class FrozenLinearFunction(torch.autograd.Function):
             grad_x = sum(grad_output[..., a:b] @ layer.materialize_rows(a, b, grad_output.dtype)
                          for a, b in row_spans(layer))
         elif ctx.needs_input_grad[0]:
-            weight = ctx.saved_tensors[0] if ctx.kept else layer.materialize(ctx.dtype)
+            if ctx.kept:
+                weight = ctx.saved_tensors[0]
+            else:
+                weight = layer.materialize(ctx.dtype, out=scratch_weight(layer, ctx.dtype))
             grad_x = grad_output @ weight.to(grad_output.dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
@@ -127,6 +133,33 @@ class FrozenLinearFunction(torch.autograd.Function):
 def row_spans(layer) -> list[tuple[int, int]]:
     step = layer.row_chunk
     return [(start, min(start + step, layer.out_features)) for start in range(0, layer.out_features, step)]
+
+
+_SCRATCH = threading.local()
+
+
+def scratch_weight(layer: FrozenLinear, dtype: torch.dtype) -> torch.Tensor | None:
+    """A reused ``[out, in]`` buffer for a weight materialized for one matmul and dropped after it,
+    or None where a fresh tensor is as good.
+
+    On a CPU a fresh weight-sized tensor costs a page fault per 4 KiB on first touch, since
+    memory.return_freed_host_memory has large buffers handed back to the system when freed
+    (what keeps a run's peak RSS down). A QLoRA step materializes each frozen weight three
+    times (forward, recompute, backward); into fresh tensors the faults took longer than the
+    dequantization itself on this project's CPU. One buffer per thread and dtype, sized for
+    the largest layer (23 MB in bf16 on a 1.07B Llama), serves them all, one at a time. GPUs
+    have a caching allocator, and a compiled region plans its own memory: neither gets one.
+    """
+    device = layer.compute_device
+    if device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    numel = layer.out_features * layer.in_features
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    flat = buffers.get(dtype)
+    if flat is None or flat.numel() < numel:
+        buffers[dtype] = flat = None        # free the smaller one before allocating
+        flat = buffers[dtype] = torch.empty(numel, dtype=dtype, device=device)
+    return flat[:numel].view(layer.out_features, layer.in_features)
 
 
 class FrozenLinear(nn.Linear):
@@ -145,8 +178,9 @@ class FrozenLinear(nn.Linear):
         bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.register_parameter("bias", bias)
 
-    def materialize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The full ``[out, in]`` weight on the compute device, in `dtype` (default: `weight_dtype`)."""
+    def materialize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The full ``[out, in]`` weight on the compute device, in `dtype` (default: `weight_dtype`),
+        written into `out` when given (a `scratch_weight` buffer)."""
         raise NotImplementedError
 
     values_on_read = True     # False inside `weight_reads_without_values`
@@ -219,8 +253,10 @@ class StoredLinear(FrozenLinear):
     def costly_to_rebuild(self) -> bool:
         return self.streamed       # a copy over the bus; a compact layer's upcast is cheap
 
-    def materialize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def materialize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         dtype = dtype or self.weight_dtype
+        if out is not None:
+            return out.copy_(self.stored, non_blocking=self.streamed)
         if not self.streamed:
             return self.stored.to(dtype)
         # Copy as stored (half the bytes of fp32 over the bus), then convert on the device.

@@ -67,9 +67,10 @@ class GptqLinear(FrozenLinear):
     def compute_device(self) -> torch.device:
         return self.qweight.device
 
-    def materialize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_packed(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
-                                 dtype or self.weight_dtype)
+    def materialize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        weight = dequantize_packed(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
+                                   dtype or self.weight_dtype)
+        return weight if out is None else out.copy_(weight)
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype) / .half() / .bfloat16() would convert the fp16 scales too: keep them as stored

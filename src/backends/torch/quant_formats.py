@@ -190,14 +190,19 @@ def quantize_mxfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"qweight": pack_nibbles(codes), "exponents": exponents}
 
 
+def build_e2m1_table() -> torch.Tensor:
+    """[16] fp32: the value of each 4-bit E2M1 code (sign bit 3), on the CPU."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+    return torch.cat((magnitudes, -magnitudes))
+
+
 @functools.lru_cache(maxsize=16)
 def build_e2m1_byte_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[256, 2]: the two E2M1 values held by each packed byte, low nibble first.
 
     One gather per byte replaces unpacking and a second lookup.
     """
-    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
-    signed = torch.cat((magnitudes, -magnitudes))  # index = 4-bit code
+    signed = build_e2m1_table()  # index = 4-bit code
     nibbles = unpack_nibbles(torch.arange(256, dtype=torch.uint8).view(256, 1)).long()
     return signed[nibbles].to(dtype=dtype, device=device)
 

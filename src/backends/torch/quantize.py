@@ -20,7 +20,9 @@ from torch import nn
 from ...errors import MudpuppyError
 from .frozen import FrozenLinear, densify_frozen_linears
 from .quant_formats import (
+    E8M0_BIAS,
     MX_BLOCK,
+    build_e2m1_table,
     check_group_size,
     check_quant_backend,
     dequantize_weight,
@@ -80,12 +82,13 @@ class Linear4bit(FrozenLinear):
             return self.stored
         return {name: buffer for name, buffer in self.named_buffers(recurse=False)}
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The full ``[out, in]`` weight in `dtype` (default: the dtype it was quantized from)."""
+    def dequantize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The full ``[out, in]`` weight in `dtype` (default: the dtype it was quantized from),
+        written into `out` when given."""
         tensors = self.quantized_tensors()
         if self.stream_to is not None:
             tensors = {k: t.to(self.stream_to, non_blocking=True) for k, t in tensors.items()}
-        return fast_dequantize(tensors, self.quant_backend, self.in_features, dtype or self.weight_dtype)
+        return fast_dequantize(tensors, self.quant_backend, self.in_features, dtype or self.weight_dtype, out)
 
     materialize = dequantize
     @property
@@ -111,29 +114,121 @@ class Linear4bit(FrozenLinear):
 # --------------------------------------------------------------------------- dequantizing fast
 
 EAGER_ENV = "MUDPUPPY_EAGER_DEQUANTIZE"     # set to 1 to skip torch.compile for dequantization
-_DEQUANTIZERS: dict[str, object] = {}
+FUSED_MIN_WEIGHTS = 1 << 18                 # smaller CPU layers dequantize eagerly (a compile costs more)
+_DEQUANTIZERS: dict[str, object] = {}       # GPUs: one shape-generic compiled kernel per device type
+_CPU_KERNELS: dict[tuple, object] = {}      # CPU: one compiled kernel per layer shape, format and dtype
 
 
 def fast_dequantize(tensors: dict[str, torch.Tensor], quant_backend: str, in_features: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """`dequantize_weight`, compiled into one fused kernel per format where inductor can build it.
+                    dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`dequantize_weight`, compiled into one fused kernel where inductor can build it, written into
+    `out` when given (a reused buffer: see frozen.scratch_weight).
 
     Eager dequantization makes four passes over the weight (unpack the nibbles,
-    convert to float, scale, cast); fused it is one, 1.7x faster on this
-    project's CPU for a 5632x2048 layer, and dequantization is most of what a
-    QLoRA step adds to a LoRA step. The compiled kernel must give the eager
-    values bit for bit (checked once per device type on a probe layer), since a
-    merge rebuilds the base the adapter trained against; where it does not, or
-    cannot be built, the eager code runs.
+    convert to float, scale, cast); fused it is one, and dequantization is most
+    of what a QLoRA step adds to a LoRA step. The compiled kernel must give the
+    eager values bit for bit, since a merge rebuilds the base the adapter
+    trained against: each kernel is checked against the eager code on its first
+    call, and where it differs, or cannot be built, the eager code runs.
     """
-    device_type = tensors["qweight"].device.type
-    dequantize = _DEQUANTIZERS.get(device_type)
+    device = tensors["qweight"].device
+    if device.type == "cpu":
+        return _dequantize_on_cpu(tensors, quant_backend, in_features, dtype, out)
+    dequantize = _DEQUANTIZERS.get(device.type)
     if dequantize is None:
-        dequantize = _DEQUANTIZERS[device_type] = _build_dequantizer(tensors["qweight"].device)
-    return dequantize(tensors, quant_backend, in_features, dtype)
+        dequantize = _DEQUANTIZERS[device.type] = _build_dequantizer(device)
+    weight = dequantize(tensors, quant_backend, in_features, dtype)
+    return weight if out is None else out.copy_(weight)
+
+
+def _fused_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, in_features: int,
+                out: torch.Tensor) -> torch.Tensor:
+    """`dequantize_int4` written for inductor: the nibbles are read through an index (byte k // 2,
+    shifted by 4 when k is odd) instead of `unpack_nibbles`' stack, which inductor leaves as a
+    separate concatenation with two intermediate buffers. Same fp32 arithmetic, one cast."""
+    out_features, groups = scales.shape
+    k = torch.arange(qweight.shape[1] * 2, device=qweight.device)
+    codes = (qweight[:, k // 2] >> (k % 2 * 4).to(torch.uint8)) & 0x0F
+    weight = torch.addcmul(mins.float().unsqueeze(-1), codes.float().view(out_features, groups, -1),
+                           scales.float().unsqueeze(-1))
+    return out.copy_(weight.view(out_features, -1)[:, :in_features])
+
+
+def _fused_mxfp4(qweight: torch.Tensor, exponents: torch.Tensor, table: torch.Tensor, in_features: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """`dequantize_mxfp4` written for inductor: each nibble looks its value up in the 16-entry E2M1
+    table (`table`); the power-of-two scale is exact in fp32, then one cast."""
+    out_features, blocks = exponents.shape
+    k = torch.arange(qweight.shape[1] * 2, device=qweight.device)
+    codes = (qweight[:, k // 2] >> (k % 2 * 4).to(torch.uint8)) & 0x0F
+    values = table[codes.long()].view(out_features, blocks, MX_BLOCK)
+    scales = torch.exp2(exponents.float() - E8M0_BIAS).unsqueeze(-1)
+    return out.copy_((values * scales).view(out_features, -1)[:, :in_features])
+
+
+def _dequantize_on_cpu(tensors, quant_backend, in_features, dtype, out):
+    """The CPU path: a kernel compiled for each layer shape (static shapes: inductor's CPU code
+    for symbolic ones ran 10-50x slower here), writing straight into `out`.
+
+    Writing into a reused buffer matters as much as fusing: a fresh 23 MB bf16 weight costs a
+    page fault per 4 KiB on first touch (memory.return_freed_host_memory hands large buffers
+    back to the system), and on this project's CPU the faults took longer than the arithmetic.
+    Dequantizing a 5632x2048 int4 layer to bf16 (AMX Xeon, 2 threads): 35-45 ms eager, 15-18 ms
+    compiled into a fresh tensor, 5 ms compiled into a reused one (benchmarks/dequantize_cpu.py).
+    """
+    import os
+
+    qweight = tensors["qweight"]
+    out_features = qweight.shape[0]
+    if out is None:
+        out = torch.empty(out_features, in_features, dtype=dtype)
+    small = out_features * in_features < FUSED_MIN_WEIGHTS
+    if small or os.environ.get(EAGER_ENV) == "1":
+        return out.copy_(dequantize_weight(tensors, quant_backend, in_features, dtype))
+    key = (quant_backend, *(tuple(t.shape) for t in tensors.values()), in_features, dtype)
+    kernel = _CPU_KERNELS.get(key)
+    if kernel is None:
+        kernel = _CPU_KERNELS[key] = _build_cpu_kernel(tensors, quant_backend, in_features, out)
+    if kernel is dequantize_weight:
+        return out.copy_(dequantize_weight(tensors, quant_backend, in_features, dtype))
+    return kernel(tensors, out)
+
+
+def _build_cpu_kernel(tensors, quant_backend, in_features, out):
+    """Compile the fused kernel for one shape and check it on this call's weight (the eager values,
+    bit for bit); `dequantize_weight` itself when it differs or cannot be built."""
+    import types
+
+    from .compile import kernel_toolchain_missing
+
+    if kernel_toolchain_missing("cpu") is not None:
+        return dequantize_weight
+    fused = _fused_int4 if quant_backend == "int4" else _fused_mxfp4
+    # A fresh code object per shape: dynamo keys its cache by code object, so each shape gets its own
+    # entry instead of counting towards one function's recompile limit (8), past which it runs eagerly.
+    fused = types.FunctionType(fused.__code__.replace(), fused.__globals__, fused.__name__, fused.__defaults__,
+                               fused.__closure__)
+    compiled = torch.compile(fused, dynamic=False)
+    if quant_backend == "int4":
+        def kernel(tensors, out):
+            return compiled(tensors["qweight"], tensors["scales"], tensors["mins"], in_features, out)
+    else:
+        table = build_e2m1_table()
+
+        def kernel(tensors, out):
+            return compiled(tensors["qweight"], tensors["exponents"], table, in_features, out)
+    try:
+        fast = kernel(tensors, out)
+    except Exception:   # inductor raises many types; each means "no fused kernel here", not a user error
+        return dequantize_weight
+    if not torch.equal(fast, dequantize_weight(tensors, quant_backend, in_features, out.dtype)):
+        return dequantize_weight
+    return kernel
 
 
 def _build_dequantizer(device: torch.device):
+    """A GPU's kernel: one shape-generic compiled function (Triton handles symbolic shapes well),
+    checked once on a probe layer against the eager code, bit for bit."""
     import os
 
     from .compile import kernel_toolchain_missing
@@ -141,13 +236,6 @@ def _build_dequantizer(device: torch.device):
     if os.environ.get(EAGER_ENV) == "1" or kernel_toolchain_missing(device.type) is not None:
         return dequantize_weight
     compiled = torch.compile(dequantize_weight, dynamic=True)
-    if device.type == "cpu":
-        # On CPU inductor's kernel is slow to store 16-bit values: dequantizing a 5632x2048 int4
-        # layer to bf16 took 95-115 ms where fp32 took 29-39 ms (AMX Xeon, 2 threads). The
-        # arithmetic is fp32 either way (cast once at the end), so fp32 then a cast (40 ms in all)
-        # gives the same bits; the probe below checks that it does.
-        fused = compiled
-        compiled = lambda tensors, backend, n, dtype: fused(tensors, backend, n, torch.float32).to(dtype)  # noqa: E731
     generator = torch.Generator(device="cpu").manual_seed(0)
     probe = torch.randn(96, 160, generator=generator).to(device)
     try:
