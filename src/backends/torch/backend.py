@@ -24,9 +24,10 @@ from ..adapters import choose_target_modules
 from ..models import resolve_model
 from ..protocol import AdapterInfo, StepResult
 from . import logprobs
-from .attention import packed_attention_mask
+from .attention import attention_kernels, packed_attention_mask
 from .loading import compact_dtype, load_model_weights, storage_dtype
 from .frozen import FrozenLinear, compute_compact_embeddings
+from .lora import lora_inputs_uncast, plain_lora_layers
 from .memory import return_freed_host_memory
 from .ops import TorchOps
 from .vision import backbone, freeze_vision_tower, is_vision_checkpoint, lora_targets, pixel_inputs
@@ -76,6 +77,7 @@ class TorchModel:
     adapter_type: str | None = None   # set by attach_adapter: none, lora, dora or qlora
     processor: Any = None             # vision-language models: their AutoProcessor (vision.py); None for text
     freeze_vision: bool = True        # model.freeze_vision, applied by attach_adapter
+    plain_lora: tuple | None = None   # (model, its lora.plain_lora_layers), cached by _autocast
 
 
 def _gathered(method):
@@ -395,10 +397,37 @@ class TorchBackend:
         inputs["position_ids"] = torch.as_tensor(batch.position_ids, device=dev)
         return inputs, labels
 
+    @contextlib.contextmanager
     def _autocast(self, handle: TorchModel):
+        """Autocast to the compute dtype where there is one, with plain LoRA layers taking their
+        inputs in it (lora.py: PEFT would copy them to fp32 and autocast straight back)."""
         if handle.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.plan.device.type, dtype=handle.autocast_dtype)
+            yield
+            return
+        with torch.autocast(device_type=self.plan.device.type, dtype=handle.autocast_dtype), \
+                lora_inputs_uncast(self._plain_lora(handle)):
+            yield
+
+    @staticmethod
+    def _plain_lora(handle: TorchModel) -> list:
+        if handle.plain_lora is None or handle.plain_lora[0] is not handle.model:
+            handle.plain_lora = (handle.model, plain_lora_layers(handle.model) if handle.adapter_type != "none" else [])
+        return handle.plain_lora[1]
+
+    def step_kernels(self, handle: TorchModel, batch):
+        """What a training micro-batch's forward and backward run under together: the attention
+        kernel for its shape (attention.attention_kernels), and plain LoRA layers taking their
+        inputs in the compute dtype. The backward recomputes checkpointed layers, and must
+        compute them as the forward did."""
+        stack = contextlib.ExitStack()
+        ids = getattr(batch, "input_ids", None)
+        config = getattr(_unwrap(handle.model), "config", None)
+        heads = getattr(getattr(config, "text_config", config), "num_attention_heads", None)
+        if ids is not None and getattr(ids, "ndim", 0) == 2 and heads:
+            stack.enter_context(attention_kernels(self.plan.device, ids.shape[0], ids.shape[1], heads))
+        if handle.autocast_dtype is not None:
+            stack.enter_context(lora_inputs_uncast(self._plain_lora(handle)))
+        return stack
 
     @_gathered
     def loss_sum(self, handle: TorchModel, batch) -> tuple[torch.Tensor, int]:
@@ -569,7 +598,8 @@ class TorchTrainer:
             batch, n = micro_batches[i], counts[i]
             # A placeholder (a rank left without data at the end of an epoch) runs with weight zero.
             weight = 0.0 if is_placeholder(batch) else 1.0
-            with engine.micro_batch(sync=i == runs[-1]) if engine else contextlib.nullcontext():
+            with engine.micro_batch(sync=i == runs[-1]) if engine else contextlib.nullcontext(), \
+                    self.backend.step_kernels(self.handle, batch):
                 loss, metrics = self._forward(objective, batch)
                 scaled = loss * (scale * weight)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
