@@ -414,3 +414,54 @@ def test_frozen_layers_reuse_one_scratch_buffer_and_train_as_before():
     first, second = scratch_weight(big, torch.float32), scratch_weight(small, torch.float32)
     assert first.shape == (160, 96) and second.shape == (48, 160)
     assert first.data_ptr() == second.data_ptr()      # one buffer, viewed at each layer's shape
+
+
+def test_a_shape_compiles_once_whether_called_under_autocast_or_not(monkeypatch):
+    """A frozen layer's forward runs under autocast and its backward outside it; dynamo guards
+    on that state, so without a fixed one each shape would compile a second, unchecked kernel."""
+    from torch._dynamo.utils import counters
+
+    from mudpuppy.backends.torch import quantize
+    from mudpuppy.backends.torch.quant_formats import dequantize_weight, quantize_weight
+
+    monkeypatch.setattr(quantize, "FUSED_MIN_WEIGHTS", 0)
+    tensors = quantize_weight(torch.randn(72, 136, generator=torch.Generator().manual_seed(3)), "int4", 8)
+    out = torch.empty(72, 136, dtype=torch.bfloat16)
+    before = counters["stats"]["unique_graphs"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        quantize.fast_dequantize(tensors, "int4", 136, torch.bfloat16, out=out)
+    compiled = counters["stats"]["unique_graphs"] - before
+    with torch.enable_grad():
+        again = quantize.fast_dequantize(tensors, "int4", 136, torch.bfloat16, out=out)
+    assert compiled == 1 and counters["stats"]["unique_graphs"] - before == 1
+    assert quantize.same_bits(again, dequantize_weight(tensors, "int4", 136, torch.bfloat16))
+
+
+def test_same_bits_tells_signed_zeros_apart_and_a_nan_equal_to_itself():
+    from mudpuppy.backends.torch.quantize import same_bits
+
+    assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert same_bits(torch.tensor([float("nan"), 1.0]).bfloat16(), torch.tensor([float("nan"), 1.0]).bfloat16())
+
+
+def test_the_scratch_buffer_first_made_under_inference_mode_still_serves_training():
+    """An inference tensor cannot be written outside inference mode: a first forward under
+    torch.inference_mode must not leave every later training step unable to rebuild weights."""
+    import threading
+
+    result = {}
+
+    def run():     # a fresh thread: a fresh set of scratch buffers
+        layer = Linear4bit.from_linear(nn.Linear(64, 48), "int4", group_size=32)
+        x = torch.randn(3, 64)
+        with torch.inference_mode():
+            expected = layer(x)
+        x.requires_grad_(True)
+        y = layer(x)
+        y.sum().backward()
+        result["ok"] = torch.equal(y.detach(), expected) and x.grad is not None
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert result.get("ok")

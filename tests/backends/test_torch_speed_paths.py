@@ -160,3 +160,20 @@ def test_lora_layers_with_dropout_or_a_variant_keep_peft_s_cast(tiny_config):
         handle = backend.load_model(cfg.model, "bf16")
         backend.attach_adapter(handle, cfg.adapter.model_copy(update=update))
         assert plain_lora_layers(handle.model) == [], update
+
+
+def test_compiled_layers_and_vision_models_leave_the_attention_kernel_to_sdpa(tiny_config):
+    """A compiled layer keeps the kernel of its first trace (dynamo does not guard on the flags),
+    and a vision tower attends over hundreds of patches: neither gets the short-row kernel."""
+    backend = create_backend("cpu", precision="fp32")
+    handle = backend.load_model(load_config(tiny_config).model, "fp32")
+    batch = collate(examples([9, 14]), pad_id=0)
+
+    def fused_allowed(**options):
+        with backend.step_kernels(handle, batch, **options):
+            return torch.backends.cuda.flash_sdp_enabled()
+
+    assert not fused_allowed()
+    assert fused_allowed(compiled=True)
+    handle.processor = object()
+    assert fused_allowed()

@@ -408,22 +408,32 @@ class TorchBackend:
                 lora_inputs_uncast(self._plain_lora(handle)):
             yield
 
-    @staticmethod
-    def _plain_lora(handle: TorchModel) -> list:
+    def _plain_lora(self, handle: TorchModel) -> list:
         if handle.plain_lora is None or handle.plain_lora[0] is not handle.model:
-            handle.plain_lora = (handle.model, plain_lora_layers(handle.model) if handle.adapter_type != "none" else [])
+            layers = plain_lora_layers(handle.model) if handle.adapter_type != "none" else []
+            # FSDP computing in bf16 under fp16 autocast: A is bf16 there, and PEFT's cast rounds the
+            # fp16 input to it, which skipping the cast would not.
+            mixed = getattr(self.plan.distributed, "mixed_precision", "auto")
+            if handle.autocast_dtype == torch.float16 and mixed == "bf16":
+                layers = []
+            handle.plain_lora = (handle.model, layers)
         return handle.plain_lora[1]
 
-    def step_kernels(self, handle: TorchModel, batch):
+    def step_kernels(self, handle: TorchModel, batch, compiled: bool = False):
         """What a training micro-batch's forward and backward run under together: the attention
         kernel for its shape (attention.attention_kernels), and plain LoRA layers taking their
         inputs in the compute dtype. The backward recomputes checkpointed layers, and must
-        compute them as the forward did."""
+        compute them as the forward did.
+
+        The attention kernel is left to SDPA when the layers are compiled (dynamo does not guard
+        on the kernel flags: the first micro-batch's choice would be baked in for every width)
+        and for vision-language models (the vision tower's attention, over hundreds of patches,
+        runs under the same context as the text's)."""
         stack = contextlib.ExitStack()
         ids = getattr(batch, "input_ids", None)
         config = getattr(_unwrap(handle.model), "config", None)
-        heads = getattr(getattr(config, "text_config", config), "num_attention_heads", None)
-        if ids is not None and getattr(ids, "ndim", 0) == 2 and heads:
+        heads = getattr(config, "num_attention_heads", None)
+        if not compiled and handle.processor is None and heads and getattr(ids, "ndim", 0) == 2:
             stack.enter_context(attention_kernels(self.plan.device, ids.shape[0], ids.shape[1], heads))
         if handle.autocast_dtype is not None:
             stack.enter_context(lora_inputs_uncast(self._plain_lora(handle)))
@@ -599,7 +609,7 @@ class TorchTrainer:
             # A placeholder (a rank left without data at the end of an epoch) runs with weight zero.
             weight = 0.0 if is_placeholder(batch) else 1.0
             with engine.micro_batch(sync=i == runs[-1]) if engine else contextlib.nullcontext(), \
-                    self.backend.step_kernels(self.handle, batch):
+                    self.backend.step_kernels(self.handle, batch, compiled=self.cfg.compile):
                 loss, metrics = self._forward(objective, batch)
                 scaled = loss * (scale * weight)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()

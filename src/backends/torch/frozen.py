@@ -149,6 +149,7 @@ def scratch_weight(layer: FrozenLinear, dtype: torch.dtype) -> torch.Tensor | No
     dequantization itself on this project's CPU. One buffer per thread and dtype, sized for
     the largest layer (23 MB in bf16 on a 1.07B Llama), serves them all, one at a time. GPUs
     have a caching allocator, and a compiled region plans its own memory: neither gets one.
+    A layer may ignore the buffer and return a fresh weight (GPTQ's unpacking builds one anyway).
     """
     device = layer.compute_device
     if device.type != "cpu" or torch.compiler.is_compiling():
@@ -158,7 +159,10 @@ def scratch_weight(layer: FrozenLinear, dtype: torch.dtype) -> torch.Tensor | No
     flat = buffers.get(dtype)
     if flat is None or flat.numel() < numel:
         buffers[dtype] = flat = None        # free the smaller one before allocating
-        flat = buffers[dtype] = torch.empty(numel, dtype=dtype, device=device)
+        # A normal tensor even when first asked for under inference_mode: an inference tensor
+        # could not be written outside it, by every later training step.
+        with torch.inference_mode(False):
+            flat = buffers[dtype] = torch.empty(numel, dtype=dtype, device=device)
     return flat[:numel].view(layer.out_features, layer.in_features)
 
 
@@ -179,8 +183,10 @@ class FrozenLinear(nn.Linear):
         self.register_parameter("bias", bias)
 
     def materialize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The full ``[out, in]`` weight on the compute device, in `dtype` (default: `weight_dtype`),
-        written into `out` when given (a `scratch_weight` buffer)."""
+        """The full ``[out, in]`` weight on the compute device, in `dtype` (default: `weight_dtype`).
+
+        `out` (a `scratch_weight` buffer) is where to write it when given; callers use the
+        returned tensor, which a layer may build fresh instead."""
         raise NotImplementedError
 
     values_on_read = True     # False inside `weight_reads_without_values`

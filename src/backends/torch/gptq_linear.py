@@ -68,9 +68,9 @@ class GptqLinear(FrozenLinear):
         return self.qweight.device
 
     def materialize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        weight = dequantize_packed(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
-                                   dtype or self.weight_dtype)
-        return weight if out is None else out.copy_(weight)
+        # `out` is not used: unpacking builds a fresh weight anyway, and copying it over would add a pass.
+        return dequantize_packed(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
+                                 dtype or self.weight_dtype)
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype) / .half() / .bfloat16() would convert the fp16 scales too: keep them as stored

@@ -1,12 +1,12 @@
 """LoRA layers' inputs under autocast: left in the compute dtype instead of PEFT's round trip.
 
 PEFT casts a LoRA layer's input to the dtype of its A matrix before the low-rank
-product. Under bf16 autocast the A and B matrices are fp32 master weights, so a
-bf16 activation is copied to fp32, and autocast copies it straight back to bf16
-for the matmul: two full-size copies per adapted layer and per pass, for the
-same bf16 values (bf16 -> fp32 is exact, so the round trip returns them
-unchanged). On SmolLM2-135M (210 adapted layers) the copies and their
-gradients were ~8% of a LoRA step on a CPU.
+product. Under autocast (bf16, or fp16 on GPUs) the A and B matrices are fp32
+master weights, so a 16-bit activation is copied to fp32, and autocast copies
+it straight back for the matmul: two full-size copies per adapted layer and
+per pass, for the same values (a 16-bit float converts to fp32 exactly, so
+the round trip returns it unchanged). On SmolLM2-135M (210 adapted layers)
+the copies and their gradients were ~8% of a LoRA step on a CPU.
 
 Only plain LoRA layers whose dropout is off skip the cast: a variant (DoRA)
 and dropout compute on the input in its own dtype, where fp32 and bf16

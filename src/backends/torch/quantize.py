@@ -173,7 +173,7 @@ def _dequantize_on_cpu(tensors, quant_backend, in_features, dtype, out):
     Writing into a reused buffer matters as much as fusing: a fresh 23 MB bf16 weight costs a
     page fault per 4 KiB on first touch (memory.return_freed_host_memory hands large buffers
     back to the system), and on this project's CPU the faults took longer than the arithmetic.
-    Dequantizing a 5632x2048 int4 layer to bf16 (AMX Xeon, 2 threads): 35-45 ms eager, 15-18 ms
+    Dequantizing a 5632x2048 int4 layer to bf16 (AMX Xeon, 2 threads): 46 ms eager, 10 ms
     compiled into a fresh tensor, 5 ms compiled into a reused one (benchmarks/dequantize_cpu.py).
     """
     import os
@@ -209,21 +209,32 @@ def _build_cpu_kernel(tensors, quant_backend, in_features, out):
     fused = types.FunctionType(fused.__code__.replace(), fused.__globals__, fused.__name__, fused.__defaults__,
                                fused.__closure__)
     compiled = torch.compile(fused, dynamic=False)
-    if quant_backend == "int4":
-        def kernel(tensors, out):
-            return compiled(tensors["qweight"], tensors["scales"], tensors["mins"], in_features, out)
-    else:
-        table = build_e2m1_table()
+    table = build_e2m1_table() if quant_backend == "mxfp4" else None
 
-        def kernel(tensors, out):
+    def kernel(tensors, out):
+        # One fixed state: dynamo guards on autocast and grad mode, and a layer's backward runs
+        # outside the autocast its forward ran in; without this each shape would compile a second,
+        # unchecked graph there.
+        with torch.autocast("cpu", enabled=False), torch.no_grad():
+            if table is None:
+                return compiled(tensors["qweight"], tensors["scales"], tensors["mins"], in_features, out)
             return compiled(tensors["qweight"], tensors["exponents"], table, in_features, out)
+
     try:
         fast = kernel(tensors, out)
     except Exception:   # inductor raises many types; each means "no fused kernel here", not a user error
         return dequantize_weight
-    if not torch.equal(fast, dequantize_weight(tensors, quant_backend, in_features, out.dtype)):
+    if not same_bits(fast, dequantize_weight(tensors, quant_backend, in_features, out.dtype)):
         return dequantize_weight
     return kernel
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (torch.equal takes -0.0 for 0.0 and never a NaN for itself)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 
 def _build_dequantizer(device: torch.device):
