@@ -11,7 +11,10 @@ row is empty (an all-blocked row would turn into NaNs in the softmax).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...errors import MudpuppyError
 
@@ -52,10 +55,6 @@ def attention_kernels(device: torch.device, batch: int, width: int, heads: int):
     around its forward *and* backward (checkpointing recomputes the forward inside the backward,
     and must choose the kernel the forward chose). Both kernels give the same values to the
     rounding of the output (checked in tests/backends/test_torch_speed_paths.py)."""
-    import contextlib
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     scores = batch * heads * width * width
     if device.type != "cpu" or width > MATH_ATTENTION_MAX_WIDTH or scores > MATH_ATTENTION_MAX_SCORES:
         return contextlib.nullcontext()

@@ -12,6 +12,8 @@ model already in memory (except the output head and anything named in
 
 from __future__ import annotations
 
+import os
+import types
 from dataclasses import dataclass
 
 import torch
@@ -141,14 +143,19 @@ def fast_dequantize(tensors: dict[str, torch.Tensor], quant_backend: str, in_fea
     return weight if out is None else out.copy_(weight)
 
 
+def _indexed_nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """`unpack_nibbles` written for inductor: code k read through an index (byte k // 2, shifted by 4
+    when k is odd) instead of a stack, which inductor leaves as a separate concatenation with two
+    intermediate buffers."""
+    k = torch.arange(qweight.shape[1] * 2, device=qweight.device)
+    return (qweight[:, k // 2] >> (k % 2 * 4).to(torch.uint8)) & 0x0F
+
+
 def _fused_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, in_features: int,
                 out: torch.Tensor) -> torch.Tensor:
-    """`dequantize_int4` written for inductor: the nibbles are read through an index (byte k // 2,
-    shifted by 4 when k is odd) instead of `unpack_nibbles`' stack, which inductor leaves as a
-    separate concatenation with two intermediate buffers. Same fp32 arithmetic, one cast."""
+    """`dequantize_int4` written for inductor (`_indexed_nibbles`): same fp32 arithmetic, one cast."""
     out_features, groups = scales.shape
-    k = torch.arange(qweight.shape[1] * 2, device=qweight.device)
-    codes = (qweight[:, k // 2] >> (k % 2 * 4).to(torch.uint8)) & 0x0F
+    codes = _indexed_nibbles(qweight)
     weight = torch.addcmul(mins.float().unsqueeze(-1), codes.float().view(out_features, groups, -1),
                            scales.float().unsqueeze(-1))
     return out.copy_(weight.view(out_features, -1)[:, :in_features])
@@ -159,8 +166,7 @@ def _fused_mxfp4(qweight: torch.Tensor, exponents: torch.Tensor, table: torch.Te
     """`dequantize_mxfp4` written for inductor: each nibble looks its value up in the 16-entry E2M1
     table (`table`); the power-of-two scale is exact in fp32, then one cast."""
     out_features, blocks = exponents.shape
-    k = torch.arange(qweight.shape[1] * 2, device=qweight.device)
-    codes = (qweight[:, k // 2] >> (k % 2 * 4).to(torch.uint8)) & 0x0F
+    codes = _indexed_nibbles(qweight)
     values = table[codes.long()].view(out_features, blocks, MX_BLOCK)
     scales = torch.exp2(exponents.float() - E8M0_BIAS).unsqueeze(-1)
     return out.copy_((values * scales).view(out_features, -1)[:, :in_features])
@@ -176,29 +182,23 @@ def _dequantize_on_cpu(tensors, quant_backend, in_features, dtype, out):
     Dequantizing a 5632x2048 int4 layer to bf16 (AMX Xeon, 2 threads): 46 ms eager, 10 ms
     compiled into a fresh tensor, 5 ms compiled into a reused one (benchmarks/dequantize_cpu.py).
     """
-    import os
-
-    qweight = tensors["qweight"]
-    out_features = qweight.shape[0]
-    if out is None:
-        out = torch.empty(out_features, in_features, dtype=dtype)
-    small = out_features * in_features < FUSED_MIN_WEIGHTS
-    if small or os.environ.get(EAGER_ENV) == "1":
-        return out.copy_(dequantize_weight(tensors, quant_backend, in_features, dtype))
-    key = (quant_backend, *(tuple(t.shape) for t in tensors.values()), in_features, dtype)
-    kernel = _CPU_KERNELS.get(key)
-    if kernel is None:
-        kernel = _CPU_KERNELS[key] = _build_cpu_kernel(tensors, quant_backend, in_features, out)
-    if kernel is dequantize_weight:
-        return out.copy_(dequantize_weight(tensors, quant_backend, in_features, dtype))
-    return kernel(tensors, out)
+    out_features = tensors["qweight"].shape[0]
+    kernel = dequantize_weight
+    if out_features * in_features >= FUSED_MIN_WEIGHTS and os.environ.get(EAGER_ENV) != "1":
+        key = (quant_backend, *(tuple(t.shape) for t in tensors.values()), in_features, dtype)
+        kernel = _CPU_KERNELS.get(key)
+        if kernel is None:
+            out = torch.empty(out_features, in_features, dtype=dtype) if out is None else out
+            kernel = _CPU_KERNELS[key] = _build_cpu_kernel(tensors, quant_backend, in_features, out)
+    if kernel is dequantize_weight:       # small, asked for, or no fused kernel for this shape
+        weight = dequantize_weight(tensors, quant_backend, in_features, dtype)
+        return weight if out is None else out.copy_(weight)
+    return kernel(tensors, torch.empty(out_features, in_features, dtype=dtype) if out is None else out)
 
 
 def _build_cpu_kernel(tensors, quant_backend, in_features, out):
     """Compile the fused kernel for one shape and check it on this call's weight (the eager values,
     bit for bit); `dequantize_weight` itself when it differs or cannot be built."""
-    import types
-
     from .compile import kernel_toolchain_missing
 
     if kernel_toolchain_missing("cpu") is not None:
@@ -240,8 +240,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _build_dequantizer(device: torch.device):
     """A GPU's kernel: one shape-generic compiled function (Triton handles symbolic shapes well),
     checked once on a probe layer against the eager code, bit for bit."""
-    import os
-
     from .compile import kernel_toolchain_missing
 
     if os.environ.get(EAGER_ENV) == "1" or kernel_toolchain_missing(device.type) is not None:
