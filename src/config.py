@@ -521,6 +521,13 @@ def load_config(
 
     vision = cfg.model.vision is True or (check_files and is_vision_model(cfg.model))
     issues.extend(Issue(where, what) for where, what in vision_problems(cfg, vision))
+    if check_files and cfg.data.packing:        # refused by family before any weight loads (data/packing.py)
+        from .data.packing import packing_problem
+        from .data.vision import model_config_json
+
+        problem = packing_problem(model_config_json(cfg.model.base_model, cfg.model.revision))
+        if problem:
+            issues.append(Issue("data.packing", problem))
     if issues:
         raise ConfigError(origin, [str(i) for i in issues])
     return cfg

@@ -104,16 +104,37 @@ def right_padded(attention: np.ndarray) -> bool:
 
 
 def hidden_and_head(model: nn.Module):
-    """(body, head) when the model is body-then-linear-head, else None."""
+    """(body, head) when the model is body-then-linear-head, the head including what the model's
+    `__call__` applies after it (post_head); else None. check_forward_paths proves the pair against
+    the model's own forward before any loss uses it."""
     inner = getattr(model, "model", None)
     if inner is None or not callable(inner):
         return None
+    after = post_head(model)
     if "lm_head" in model:
-        return (lambda ids, cache: inner(ids, cache)), (lambda h: model.lm_head(h))
+        return (lambda ids, cache: inner(ids, cache)), (lambda h: after(model.lm_head(h)))
     args = getattr(model, "args", None)
-    if getattr(args, "tie_word_embeddings", False) and hasattr(getattr(inner, "embed_tokens", None), "as_linear"):
-        return (lambda ids, cache: inner(ids, cache)), (lambda h: inner.embed_tokens.as_linear(h))
+    # Tied (Gemma 2 declares no tie_word_embeddings and always ties): the proof catches a wrong guess.
+    if getattr(args, "tie_word_embeddings", True) and hasattr(getattr(inner, "embed_tokens", None), "as_linear"):
+        return (lambda ids, cache: inner(ids, cache)), (lambda h: after(inner.embed_tokens.as_linear(h)))
     return None
+
+
+def post_head(model: nn.Module):
+    """The operation mlx-lm's `__call__` applies to the head's output, from the constants the model
+    holds (mlx-lm 0.32): Gemma 2's soft-capping (`final_logit_softcapping`), Granite's division
+    (`logits_scaling`), Cohere's multiplier (`model.args.logit_scale`); identity otherwise. A model
+    that does something else fails check_forward_paths' proof and computes full logits instead."""
+    cap = getattr(model, "final_logit_softcapping", None)
+    if isinstance(cap, (int, float)) and cap:
+        return lambda out: mx.tanh(out / cap) * cap
+    scaling = getattr(model, "logits_scaling", None)
+    if isinstance(scaling, (int, float)) and scaling:
+        return lambda out: out / scaling
+    scale = getattr(getattr(getattr(model, "model", None), "args", None), "logit_scale", None)
+    if isinstance(scale, (int, float)):
+        return lambda out: out * scale
+    return lambda out: out
 
 
 def head_module(model: nn.Module) -> nn.Module:
@@ -132,8 +153,9 @@ def uses_rotary_positions(model: nn.Module) -> bool:
 def check_forward_paths(model: nn.Module) -> tuple[bool, bool]:
     """(split head, masks): which paths give the model's own logits, proved on a 5-token input.
 
-    Some architectures scale or cap logits after the head (Gemma, Cohere);
-    they then fall back to full logits. A model that ignores the mask cache
+    Some architectures scale or cap logits after the head (Gemma 2, Granite,
+    Cohere): post_head applies the same; one it does not know falls back to
+    full logits. A model that ignores the mask cache
     gets no exact padding logits and cannot pack.
     """
     ids = mx.array([[1, 2, 3, 4, 5]])

@@ -24,7 +24,8 @@ from ..adapters import choose_target_modules
 from ..models import resolve_model
 from ..protocol import AdapterInfo, StepResult
 from . import logprobs
-from .attention import attention_kernels, packed_attention_mask
+from .attention import attention_kernels, packing_mask
+from .heads import head_inputs
 from .loading import compact_dtype, load_model_weights, storage_dtype
 from .frozen import FrozenLinear, compute_compact_embeddings
 from .lora import lora_inputs_uncast, plain_lora_layers
@@ -390,10 +391,9 @@ class TorchBackend:
             # positions, all real, so its output is exact without one, and SDPA can
             # run its fused causal kernel instead of the masked path.
             return inputs, labels
-        base = _unwrap(model)
-        impl = getattr(base.config, "_attn_implementation", None) or "eager"
         segments = torch.as_tensor(batch.segment_ids, device=dev)
-        inputs["attention_mask"] = packed_attention_mask(segments, impl, base.dtype)
+        # Per layer type where the model has sliding-window layers (attention.packing_mask).
+        inputs["attention_mask"] = packing_mask(_unwrap(model), segments)
         inputs["position_ids"] = torch.as_tensor(batch.position_ids, device=dev)
         return inputs, labels
 
@@ -450,15 +450,15 @@ class TorchBackend:
         base = _unwrap(handle.model)
         with self._autocast(handle):
             body = backbone(base) if handle.processor is not None else base.get_decoder()
-            hidden = body(**inputs).last_hidden_state
             keep = labels != IGNORE_INDEX
-            hidden, targets = hidden[keep], labels[keep]
-            head = base.get_output_embeddings()
+            # The model's own head, post-head scaling or soft-capping included (heads.py).
+            hidden, head = head_inputs(base, body, inputs, keep)
+            targets = labels[keep]
             total = hidden.new_zeros((), dtype=torch.float32)
             # At least one (possibly empty) chunk: a batch with no target still yields a loss with a
             # graph, so that every rank of a distributed step takes part in the backward.
             for start in range(0, max(targets.numel(), 1), LOSS_CHUNK_TOKENS):
-                logits = head(hidden[start : start + LOSS_CHUNK_TOKENS]).float()
+                logits = head(hidden[start : start + LOSS_CHUNK_TOKENS])
                 total = total + torch.nn.functional.cross_entropy(
                     logits, targets[start : start + LOSS_CHUNK_TOKENS], reduction="sum")
         return total, int(targets.numel())

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ...errors import MudpuppyError
+from .attention import choose_attention
 from .frozen import FrozenLinear
 from ...quantization.qat import is_qat_checkpoint, load_quantized
 from .gptq_linear import gptq_settings_of, install_gptq_layers
@@ -77,12 +78,14 @@ class LoadReport:
     dtype: torch.dtype
     tensors: int = 0
     new_keys: list[str] = field(default_factory=list)   # initialised, not read (a new scalar head)
+    attention: str = ""      # the attention implementation chosen (attention.choose_attention)
 
     def describe(self) -> str:
         how = {"streamed": "tensor by tensor",
                "mudpuppy_qat": "as a converted QAT model (integer codes and scales, as stored)"}.get(
             self.path, "through transformers.from_pretrained (checkpoint not readable tensor by tensor)")
-        return f"loaded {how} at {str(self.dtype).removeprefix('torch.')}"
+        attention = f", {self.attention} attention" if self.attention else ""
+        return f"loaded {how} at {str(self.dtype).removeprefix('torch.')}{attention}"
 
 
 # --------------------------------------------------------------------------- safetensors, without mmap
@@ -165,9 +168,11 @@ def build_empty(auto_class: str, config, dtype: torch.dtype, trust_remote_code: 
     import transformers
     from accelerate import init_empty_weights
 
+    # SDPA where transformers supports it for this model, else eager (attention.choose_attention).
     with init_empty_weights(include_buffers=False):
         return getattr(transformers, auto_class).from_config(
-            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+            config, dtype=dtype, attn_implementation=choose_attention(auto_class, config),
+            trust_remote_code=trust_remote_code)
 
 
 def load_weights(model: nn.Module, directory: Path, dtype: torch.dtype, device: torch.device,
@@ -263,9 +268,12 @@ def load_pretrained_fallback(auto_class: str, directory: Path, dtype: torch.dtyp
                              plan_frozen, trust_remote_code: bool, head_kwargs: dict, new_modules: tuple[str, ...]):
     """transformers' own loader at the storage dtype, then the frozen linears converted one by one."""
     import transformers
+    from transformers import AutoConfig
 
+    config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code, **head_kwargs)
     model = getattr(transformers, auto_class).from_pretrained(
-        str(directory), dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", **head_kwargs)
+        str(directory), dtype=dtype, trust_remote_code=trust_remote_code,
+        attn_implementation=choose_attention(auto_class, config), **head_kwargs)
     frozen = plan_frozen(model)
     for name in sorted(frozen.names):
         linear = model.get_submodule(name)
@@ -311,8 +319,9 @@ def load_model_weights(auto_class: str, directory: Path, dtype: torch.dtype, dev
                             "describes (renamed or missing keys); mudpuppy reads GPTQ checkpoints tensor by tensor only")
     if report is None:
         del model
-        return load_pretrained_fallback(auto_class, directory, dtype, device, plan_frozen, trust_remote_code,
-                                        head_kwargs or {}, new_modules)
+        model, report = load_pretrained_fallback(auto_class, directory, dtype, device, plan_frozen,
+                                                 trust_remote_code, head_kwargs or {}, new_modules)
+    report.attention = getattr(model.config, "_attn_implementation", None) or ""
     return model, report
 
 

@@ -1,7 +1,8 @@
 """Per-sequence log-probabilities and scalar-head scores on torch: what objectives consume.
 
 Log-probs use SFT's masking (labels != -100) and its memory trick: only the
-positions with a target go through the output head, in chunks. The
+positions with a target go through the output head, in chunks; the head is
+the model's own, with whatever its forward applies after it (heads.py). The
 reference is the same weights with the PEFT adapter switched off, so DPO
 needs no second copy of the model.
 """
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from .heads import head_inputs
+
 IGNORE_INDEX = -100
 LOSS_CHUNK_TOKENS = 1024
 
@@ -27,20 +30,19 @@ def sequence_logprobs(backend, handle, batch, grad: bool = True) -> tuple[torch.
     base = unwrap(handle.model)
     counts = (np.asarray(batch.labels) != IGNORE_INDEX).sum(axis=1)
     with grad_mode(handle.model, grad), backend._autocast(handle):
-        hidden = base.get_decoder()(**inputs).last_hidden_state
         keep = labels != IGNORE_INDEX
         rows = keep.nonzero()[:, 0]              # the row of each kept position, row-major
-        picked, targets = hidden[keep], labels[keep]
-        head = base.get_output_embeddings()
+        picked, head = head_inputs(base, base.get_decoder(), inputs, keep)
+        targets = labels[keep]
         pieces = []
         for start in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
-            logits = head(picked[start : start + LOSS_CHUNK_TOKENS]).float()
+            logits = head(picked[start : start + LOSS_CHUNK_TOKENS])
             pieces.append(-F.cross_entropy(logits, targets[start : start + LOSS_CHUNK_TOKENS], reduction="none"))
-        sums = hidden.new_zeros(labels.shape[0], dtype=torch.float32)
+        sums = picked.new_zeros(labels.shape[0], dtype=torch.float32)
         if pieces:
             sums = sums.index_add(0, rows, torch.cat(pieces))
         elif grad:
-            sums = sums + 0.0 * hidden.sum()     # keep the graph: backward() needs a path to the weights
+            sums = sums + 0.0 * picked.sum()     # keep the graph: backward() needs a path to the weights
     return sums, counts
 
 
@@ -59,10 +61,9 @@ def token_logprobs(backend, handle, batch, grad: bool = True, temperature: float
     inputs, labels = backend._tensors(batch, handle.model)
     base = unwrap(handle.model)
     with grad_mode(handle.model, grad), backend._autocast(handle):
-        hidden = base.get_decoder()(**inputs).last_hidden_state
         keep = labels != IGNORE_INDEX
-        picked, targets = hidden[keep], labels[keep]
-        head = base.get_output_embeddings()
+        picked, head = head_inputs(base, base.get_decoder(), inputs, keep)
+        targets = labels[keep]
         logps, entropies = [], []
         for start in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
             args = (head, picked[start : start + LOSS_CHUNK_TOKENS], targets[start : start + LOSS_CHUNK_TOKENS],
@@ -74,14 +75,14 @@ def token_logprobs(backend, handle, batch, grad: bool = True, temperature: float
             logps.append(lp)
             entropies.append(ent)
     if not logps:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return (empty + 0.0 * hidden.sum() if grad else empty), (np.zeros(0, np.float32) if entropy else None)
+        empty = picked.new_zeros(0, dtype=torch.float32)
+        return (empty + 0.0 * picked.sum() if grad else empty), (np.zeros(0, np.float32) if entropy else None)
     values = torch.cat(logps)
     return values, (torch.cat(entropies).cpu().numpy() if entropy else None)
 
 
 def chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
-    logits = head(hidden).float()
+    logits = head(hidden)        # float32, the model's own logits (heads.OutputHead)
     if temperature != 1.0:
         logits = logits / temperature
     logp = logits.log_softmax(-1)
