@@ -391,6 +391,11 @@ class RunConfig(_Strict):
     # Where the YAML came from; relative data paths resolve against it first.
     source_dir: str | None = Field(None, exclude=True)
 
+    @field_validator("output_dir")
+    @classmethod
+    def _expand_home(cls, v: str) -> str:
+        return os.path.expanduser(v)     # as a shell would: never a folder named "~" beside the config
+
     @model_validator(mode="after")
     def _method_sections(self):
         """Each method's section is filled in with defaults, and refused under other methods."""

@@ -1,12 +1,12 @@
 """Training methods, each one recipe written against the backend protocol."""
 
 from .grpo import run_grpo
+from .rundir import end_run
 from .preference import run_preference
 from .reward import run_reward
 from .sft import RunResult, run_sft
 
 __all__ = ["RunResult", "run_grpo", "run_preference", "run_reward", "run_sft", "run"]
-
 
 
 def _run_gptq(cfg, backend, overwrite=False, echo=print):
@@ -43,7 +43,10 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
         check_same_config(cfg)
         if not ranks.is_main:
             echo = _silent            # rank 0 speaks for the run
-    return METHODS[cfg.method](cfg, backend, overwrite=overwrite, echo=echo)
+    try:
+        return METHODS[cfg.method](cfg, backend, overwrite=overwrite, echo=echo)
+    finally:
+        end_run(cfg.output_dir)       # the run directory's lock goes with the run, whether it ended well or not
 
 
 def _silent(*_args, **_kwargs) -> None:

@@ -37,7 +37,6 @@ import copy
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from pydantic import ValidationError
 from ..config import ConfigError, Issue, RunConfig, _missing_files, _pydantic_issues, _read_yaml, read_source
 from ..errors import MudpuppyError, OutputExists
 from ..evaluation import trained
-from . import outputs
+from . import outputs, rundir
 
 STATE = "curriculum.json"
 REPORT = "curriculum.md"
@@ -172,17 +171,29 @@ def run_curriculum(cur: Curriculum, overwrite: bool = False, echo=print, backend
     (default: create_backend from the stage's config, so a stage can switch runtimes)."""
     from ..backends import create_backend
     from ..distributed import launched
-    from . import run as run_one
 
     if launched():
         raise MudpuppyError("a curriculum runs in one process for now; start it without --nproc / torchrun")
-    out = _prepare(cur, overwrite)
-    backend_for = backend_for or (lambda cfg: create_backend(cfg.backend, **cfg.backend_options()))
+    out = _check_dir(cur, overwrite)
+    with rundir.locked(out):            # a second process on this curriculum stops here, naming this one
+        _prepare(cur, overwrite)
+        return _run_stages(cur, out, echo, backend_for or (lambda cfg: create_backend(cfg.backend,
+                                                                                      **cfg.backend_options())))
+
+
+def _run_stages(cur: Curriculum, out: Path, echo, backend_for) -> CurriculumResult:
+    from . import run as run_one
+    from .checkpoints import newest_checkpoint
+
     result = CurriculumResult(out)
-    rows = _read_state(out).get("stages", [])
+    state = _read_state(out)
+    rows = state.get("stages", [])
     for stage in cur.stages:
+        # After --overwrite a stage's earlier run is replaced (by the stage's own --overwrite, once its model
+        # and data load), never skipped or resumed, even when the curriculum is run again after a crash.
+        old = _replaced(stage.dir, state.get("replaced_before"))
         done = stage.dir / outputs.SUMMARY
-        if done.is_file():
+        if done.is_file() and not old:
             echo(f"== {stage.label}: finished earlier, skipped")
             if trained.trained_metrics(stage.cfg) and not trained.is_measured(stage.dir):
                 # stopped between training and its measurement: measure what the stage saved
@@ -190,15 +201,16 @@ def run_curriculum(cur: Curriculum, overwrite: bool = False, echo=print, backend
                 rows = _with_row(rows, _row(stage, _ran_on(rows, stage)))
                 _write_state(out, cur, rows, finished=False)
             continue
-        from .checkpoints import newest_checkpoint
-
-        checkpoint = newest_checkpoint(stage.dir) if stage.dir.is_dir() else None
+        checkpoint = newest_checkpoint(stage.dir) if stage.dir.is_dir() and not old else None
         cfg = stage.cfg.model_copy(update={"resume": True}) if checkpoint else stage.cfg
         backend = backend_for(cfg)
         echo(f"== {stage.label}: {_describe(cfg)} on {backend.name}"
              + (f", resuming from {checkpoint.name}" if checkpoint else ""))
         # A stage that died before its first checkpoint starts over; its directory is one of ours.
-        finished = run_one(cfg, backend, overwrite=checkpoint is None and stage.dir.exists(), echo=echo)
+        try:
+            finished = run_one(cfg, backend, overwrite=checkpoint is None and stage.dir.exists(), echo=echo)
+        finally:
+            rundir.end_run(stage.dir)      # the stage's lock, also when it failed (the curriculum keeps its own)
         if trained.trained_metrics(cfg):
             trained.measure_trained(cfg, backend, finished, echo=echo)     # the trained model, then the start
         del finished
@@ -211,6 +223,14 @@ def run_curriculum(cur: Curriculum, overwrite: bool = False, echo=print, backend
     result.rows = rows
     echo(report_table(rows))
     return result
+
+
+def _replaced(stage_dir: Path, before: float | None) -> bool:
+    """Whether the stage's directory holds a run from before the curriculum's --overwrite."""
+    if before is None or not rundir.entries(stage_dir):
+        return False
+    marker = rundir.read_marker(stage_dir)
+    return marker is None or marker.get("created_at", 0) < before
 
 
 def _with_row(rows: list[dict], row: dict) -> list[dict]:
@@ -227,34 +247,49 @@ def _describe(cfg: RunConfig) -> str:
     return f"{method}, {cfg.adapter.type}, data {data}"
 
 
-def _prepare(cur: Curriculum, overwrite: bool) -> Path:
+def _check_dir(cur: Curriculum, overwrite: bool) -> Path:
+    """Refusals that need no lock (nothing is written): the directory is a file, is not a curriculum, or is
+    one --overwrite never replaces (rundir.check_overwrite_target, against every stage's files)."""
     out = cur.output_dir
-    state = out / STATE
     if out.exists() and not out.is_dir():
         raise OutputExists(f"output_dir {out} is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        ours = state.is_file()
+    if overwrite:
+        for stage in cur.stages:
+            rundir.check_overwrite_target(out, stage.cfg, inside=[s.dir for s in cur.stages])
+    if rundir.entries(out) and not (out / STATE).is_file():
         if overwrite:
-            if not ours:
-                raise OutputExists(f"output_dir {out} is not empty and holds no {STATE}; refusing to clear it even "
-                                   "with --overwrite")
-            shutil.rmtree(out)
-        elif not ours:
-            raise OutputExists(f"output_dir {out} already holds files that are not a curriculum; choose another "
-                               "output_dir")
-        elif _read_state(out).get("status") == "finished":
+            raise OutputExists(f"output_dir {out} is not empty and holds no {STATE}; refusing to clear it even "
+                               "with --overwrite")
+        raise OutputExists(f"output_dir {out} already holds files that are not a curriculum; choose another "
+                           "output_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _prepare(cur: Curriculum, overwrite: bool) -> None:
+    """Under the curriculum's lock: what a run of it does with what the directory holds.
+
+    --overwrite removes nothing here: each stage replaces its own earlier run when it starts (only what that
+    run wrote, once the stage's model and data have loaded); `replaced_before` tells the stages which runs
+    are the earlier ones, also when the curriculum is run again after a crash.
+    """
+    import time
+
+    out = cur.output_dir
+    if (out / STATE).is_file():
+        if overwrite:
+            _write_state(out, cur, [], finished=False, replaced_before=time.time())
+            return
+        if _read_state(out).get("status") == "finished":
             raise OutputExists(f"output_dir {out} holds a finished curriculum; pass --overwrite to run it again "
                                "from the start, or choose another output_dir")
-        else:
-            stored = _read_state(out).get("stages_planned")
-            planned = [s.label for s in cur.stages]
-            if stored and stored != planned:
-                raise OutputExists(f"output_dir {out} holds an unfinished curriculum with other stages ({stored}); "
-                                   f"this one has {planned}; use another output_dir or --overwrite")
-    out.mkdir(parents=True, exist_ok=True)
-    if not state.is_file():
+        stored = _read_state(out).get("stages_planned")
+        planned = [s.label for s in cur.stages]
+        if stored and stored != planned:
+            raise OutputExists(f"output_dir {out} holds an unfinished curriculum with other stages ({stored}); "
+                               f"this one has {planned}; use another output_dir or --overwrite")
+    else:
         _write_state(out, cur, [], finished=False)
-    return out
 
 
 def _read_state(out: Path) -> dict:
@@ -294,13 +329,16 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _write_state(out: Path, cur: Curriculum, rows: list[dict], finished: bool) -> None:
+def _write_state(out: Path, cur: Curriculum, rows: list[dict], finished: bool, replaced_before=None) -> None:
     previous = _read_state(out)
     charts = previous.get("charts")
     if not (charts and _same(previous.get("stages"), rows) and all((out / c).is_file() for c in charts)):
         charts = write_charts(rows, out)           # only when the numbers changed: a chart takes ~0.3 s
     state = {"status": "finished" if finished else "running", "config": cur.origin,
              "stages_planned": [s.label for s in cur.stages], "stages": rows, "charts": charts or []}
+    replaced_before = replaced_before or previous.get("replaced_before")
+    if replaced_before:
+        state["replaced_before"] = replaced_before
     outputs.write_json_atomic(out / STATE, state)
     tmp = out / (REPORT + ".tmp")
     tmp.write_text(report_markdown(rows, charts or []), encoding="utf-8")

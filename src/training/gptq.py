@@ -64,7 +64,7 @@ def _run_torch(cfg, backend, overwrite: bool, echo) -> RunResult:
         raise DataError(loaded.train[0].name if loaded.train else "data.datasets", None,
                         "no training examples left to calibrate GPTQ on (the datasets are empty, or every "
                         "example was dropped); gptq calibrates on data.datasets")
-    out, _ = outputs.start_output_dir(cfg, overwrite)
+    out, _ = outputs.start_output_dir(cfg, overwrite, echo)    # model and data loaded: lock, replace, config
     tokens = sum(len(e.input_ids) for e in calibration)
     echo(f"gptq: {spec.bits}-bit, group {'per row' if spec.group_size <= 0 else spec.group_size}, "
          f"{'symmetric' if spec.sym else 'asymmetric'}{', act-order' if spec.desc_act else ''}; calibrating on "

@@ -54,10 +54,12 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     funcs = load_reward_functions(specs, cfg.source_dir, reward_model=lambda spec: reward_model_function(
         backend, spec, cfg.source_dir))
     check_columns(funcs, data_columns(loaded), loaded.train[0].name)
-    out, resume_from = outputs.start_output_dir(cfg, overwrite)
+    claim = outputs.claim_output_dir(cfg, overwrite)          # locked; a run --overwrite replaces stays for now
+    out, resume_from = claim.out, claim.resume_from
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
     data = prepare_data(cfg, handle.tokenizer, loaded, method="grpo")
+    outputs.take_output_dir(cfg, claim, echo)                  # model and data loaded: now the old run goes
     rep = data.report
     echo(f"grpo ({g.loss_type}, {g.num_generations} completions a prompt, beta {g.beta}): {rep.train_examples} "
          f"prompts / {rep.val_examples} held-out; {rep.truncated} prompts truncated to data.sequence_len; "

@@ -1,78 +1,154 @@
-"""The run's output directory: never overwrite a user's finished work by accident."""
+"""The run's output directory: never overwrite a user's finished work by accident.
+
+A run claims its directory before any model loads (claim_output_dir: lock, then decide: new, resume,
+or replace) and takes it once the model and data have loaded (take_output_dir: the replaced run's
+files go, the config copy comes). The marker and the lock live in rundir.py.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from ..errors import OutputExists
+from ..errors import MudpuppyError, OutputExists
+from . import rundir
 
 SUMMARY = "run_summary.json"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
-OURS = (SUMMARY, METRICS, CONFIG)
 
 
-def prepare_output_dir(path: str | Path, overwrite: bool, resume: bool | str = False) -> tuple[Path, Path | None]:
-    """Make the output directory ready; returns it and the checkpoint to resume from, if any.
+@dataclass
+class Claim:
+    """An output directory this process holds the lock of, and what the run will do there."""
 
-    A non-empty directory is refused unless the run resumes from it or
-    --overwrite is given, and --overwrite never clears a directory that does
-    not look like one of our runs.
+    out: Path
+    resume_from: Path | None = None      # the checkpoint to resume from
+    replacing: bool = False              # --overwrite: the old run goes in take_output_dir, not before
+
+
+def claim_output_dir(cfg, overwrite: bool) -> Claim:
+    """Lock the run's directory and decide what happens to it, before any model loads; nothing is removed
+    here. In a distributed run rank 0 decides (and holds the lock) and every rank gets its answer, or its
+    error, so no two processes clear or write the same directory."""
+    from ..distributed import current
+    from .trackers import check_available
+
+    check_available(list(cfg.logging.report_to))          # a missing tracker stops the run before it starts
+    return current().on_main(lambda: claim_dir(cfg.output_dir, overwrite, cfg.resume, cfg))
+
+
+def take_output_dir(cfg, claim: Claim, echo=print) -> Path:
+    """Once the model and data have loaded: the run replaced by --overwrite goes (only what it wrote), then
+    the config copy. A typo in the model name, a bad data file, fail before this and cost nothing."""
+    from ..distributed import current
+
+    current().on_main(lambda: _take(cfg, claim, echo))
+    return claim.out
+
+
+def start_output_dir(cfg, overwrite: bool, echo=print) -> tuple[Path, Path | None]:
+    """claim_output_dir and take_output_dir at once: for a method that has loaded its model and data already."""
+    claim = claim_output_dir(cfg, overwrite)
+    take_output_dir(cfg, claim, echo)
+    return claim.out, claim.resume_from
+
+
+def claim_dir(path: str | Path, overwrite: bool, resume: bool | str = False, cfg=None) -> Claim:
+    """The decisions of claim_output_dir, in this process.
+
+    A directory is written to only when it is empty, new, or marked as a mudpuppy run (rundir.MARKER); a
+    run from before markers may be resumed (it is adopted), never replaced. The lock is taken before
+    anything that could remove a file is decided, and the state is read again under it.
     """
-    from .checkpoints import newest_checkpoint, remove_stale_staging
-
-    out = Path(path)
+    out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise OutputExists(f"output_dir {out} is a file, not a directory")
+    if overwrite:
+        rundir.check_overwrite_target(out, cfg)
+    _refuse_foreign(out, overwrite)
+    if resume is True and not overwrite and not out.is_dir():
+        raise OutputExists(f"--resume: no complete checkpoint in {out}/checkpoints ({out} does not exist)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputExists(f"output_dir {out}: cannot create it ({exc.strerror})") from None
+    rundir.start_run(out)
+    try:
+        claim = _decide(out, overwrite, resume)
+    except MudpuppyError:
+        rundir.end_run(out)
+        raise
+    if rundir.read_marker(out) is None:
+        rundir.write_marker(out, written=rundir.entries(out))     # a new run, or one from before markers resumed
+    return claim
+
+
+def _refuse_foreign(out: Path, overwrite: bool) -> None:
+    """A non-empty directory without the marker: nothing mudpuppy may write into (or clear)."""
+    if not rundir.entries(out) or rundir.read_marker(out) is not None:
+        return
+    if rundir.looks_like_old_run(out):
+        if overwrite:
+            raise OutputExists(
+                f"--overwrite: output_dir {out} holds a run made before mudpuppy marked its runs (no "
+                f"{rundir.MARKER}), so mudpuppy cannot tell the run's files from yours and will not replace it; "
+                f"delete it yourself (rm -r {out}) if you no longer need it, or choose another output_dir")
+        return                   # --resume adopts it; without either flag _decide says what to do
+    refusing = "refusing to clear it even with --overwrite; " if overwrite else ""
+    raise OutputExists(f"output_dir {out} is not empty and does not look like a mudpuppy run (no {rundir.MARKER}); "
+                       f"{refusing}choose another output_dir (e.g. --set output_dir=...)")
+
+
+def _decide(out: Path, overwrite: bool, resume: bool | str) -> Claim:
+    from .checkpoints import newest_checkpoint, remove_stale_staging
+
     finished = (out / SUMMARY).exists()
     if resume and not overwrite:
-        ckpt = newest_checkpoint(out) if out.is_dir() else None
+        ckpt = newest_checkpoint(out)
         if finished:
             raise OutputExists(f"output_dir {out} holds a finished run; nothing to resume "
                                "(pass --overwrite to train again from scratch)")
         if ckpt is not None:
             remove_stale_staging(out)
-            return out, ckpt
+            return Claim(out, ckpt)
         if resume is True:
             raise OutputExists(f"--resume: no complete checkpoint in {out}/checkpoints "
                                "(set training.save_steps to write them)")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            what = "a finished run" if finished else "files"
-            hint = "" if finished else ", --resume to continue from its newest checkpoint,"
-            raise OutputExists(
-                f"output_dir {out} already holds {what}; choose another output_dir "
-                f"(e.g. --set output_dir=...){hint} or pass --overwrite to replace it")
-        if not any((out / name).exists() for name in OURS):
-            raise OutputExists(
-                f"output_dir {out} is not empty and does not look like a mudpuppy run "
-                f"(no {SUMMARY}, {METRICS} or {CONFIG}); refusing to clear it even with --overwrite")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    return out, None
+    ours, foreign = rundir.split_entries(out, rundir.read_marker(out))
+    if ours and not overwrite:
+        what = "a finished run" if finished else "files"
+        hint = "" if finished else ", --resume to continue from its newest checkpoint,"
+        raise OutputExists(
+            f"output_dir {out} already holds {what}; choose another output_dir "
+            f"(e.g. --set output_dir=...){hint} or pass --overwrite to replace it")
+    return Claim(out, replacing=bool(ours or foreign))
 
 
-def start_output_dir(cfg, overwrite: bool) -> tuple[Path, Path | None]:
-    """prepare_output_dir and the config copy; in a distributed run rank 0 does both and every rank gets
-    its answer (or its error), so no two processes clear or write the same directory."""
-    from ..distributed import current
-    from .trackers import check_available
+def _take(cfg, claim: Claim, echo) -> None:
+    out = claim.out
+    if claim.replacing:
+        ours, kept = rundir.split_entries(out, rundir.read_marker(out))
+        rundir.remove_entries(out, ours)
+        if ours:
+            echo(f"--overwrite: removed the previous run from {out} ({_names(ours)})")
+        if kept:
+            echo(f"--overwrite: kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} the previous run did "
+                 f"not write: {_names(kept)}")
+        rundir.write_marker(out, foreign=kept)
+    write_config(out, cfg)
+    rundir.note_written(out)
 
-    check_available(list(cfg.logging.report_to))          # a missing tracker stops the run before it starts
 
-    def prepare():
-        out, resume_from = prepare_output_dir(cfg.output_dir, overwrite, cfg.resume)
-        write_config(out, cfg)
-        return out, resume_from
-
-    return current().on_main(prepare)
+def _names(names: list[str], shown: int = 8) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def write_summary(out: Path, data) -> None:
@@ -89,6 +165,8 @@ def write_summary(out: Path, data) -> None:
             print(f"run report (charts, README.md) not written: {type(exc).__name__}: {exc}", file=sys.stderr)
         close_trackers(out, data)
         write_json_atomic(out / SUMMARY, data)
+        rundir.note_written(out)
+        rundir.end_run(out)             # the run has written its last file: another may use the directory
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -127,6 +205,7 @@ class MetricsLog:
                     if line.strip() and json.loads(line).get("step", 0) <= truncate_after]
             self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         self.fh = self.path.open("a", encoding="utf-8")
+        rundir.note_written(out)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -135,6 +214,7 @@ class MetricsLog:
         fields.setdefault("elapsed", round(self.elapsed(), 3))
         self.fh.write(json.dumps(fields) + "\n")
         self.fh.flush()
+        rundir.note_written(self.path.parent)     # checkpoints, adapters, tracker folders join the marker's list
         if self.trackers is not None:
             self.trackers.log(fields)
 

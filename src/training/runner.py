@@ -58,7 +58,8 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     screening = screen_records(loaded.train + loaded.val)
     if screening.bad and recipe.bad_input == "error":
         raise_bad_records(screening, method)
-    out, resume_from = outputs.start_output_dir(cfg, overwrite)
+    claim = outputs.claim_output_dir(cfg, overwrite)          # locked; a run --overwrite replaces stays for now
+    out, resume_from = claim.out, claim.resume_from
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision, head=recipe.head, adapter=cfg.adapter)
     data = prepare_data(cfg, handle.tokenizer, loaded, method=method)
@@ -74,6 +75,7 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     echo(f"{recipe.describe}: {len(train)} train / {len(val)} held-out examples; "
          + describe_drops(screening, no_room, data.report, cfg.data.sequence_len))
     train_items, val_items = recipe.make_items(train, val)
+    outputs.take_output_dir(cfg, claim, echo)                  # model and data loaded: now the old run goes
 
     info = backend.attach_adapter(handle, cfg.adapter)
     echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters")

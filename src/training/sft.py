@@ -32,10 +32,12 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     started = time.perf_counter()
     # -- setup: data problems surface before any model loads or anything is written
     loaded = load_data(cfg, "sft")
-    out, resume_from = outputs.start_output_dir(cfg, overwrite)
+    claim = outputs.claim_output_dir(cfg, overwrite)          # locked; a run --overwrite replaces stays for now
+    out, resume_from = claim.out, claim.resume_from
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
     data = prepare_sft_data(cfg, handle.tokenizer, loaded)
+    outputs.take_output_dir(cfg, claim, echo)                  # model and data loaded: now the old run goes
     rep = data.report
     echo(f"data: {rep.train_examples} train / {rep.val_examples} held-out examples, "
          f"{rep.loss_token_share:.0%} of tokens carry loss, {rep.truncated} truncated, {rep.dropped} dropped")

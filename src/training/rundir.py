@@ -1,0 +1,279 @@
+"""The run directory mudpuppy owns: a marker listing what it wrote there, and a lock while a run uses it.
+
+    .mudpuppy-run.json   written when a run claims the directory, before anything else: format, who made
+                         it and when, `written` (the top-level names the run wrote, refreshed as it goes)
+                         and `foreign` (names that were there already and are not the run's)
+    .mudpuppy-run.lock   flock'ed for as long as a process trains there; holds that process's pid and
+                         command. The kernel drops the lock when the process ends, however it ends
+                         (SIGKILL included), so a stale file never blocks anyone.
+
+`--overwrite` removes only the names the marker lists (and the few every run writes), never the
+directory itself, never a directory without the marker: see outputs.claim_output_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import OutputExists
+
+try:
+    import fcntl
+except ImportError:                      # not a POSIX system: runs go unlocked (lock() says so)
+    fcntl = None
+
+MARKER = ".mudpuppy-run.json"
+LOCK = ".mudpuppy-run.lock"
+FORMAT = 1
+OWN = frozenset({MARKER, LOCK})          # never listed, never removed: they say whose directory it is
+# Names every run writes, the run's even when a killed run had no time to list them.
+ALWAYS = frozenset({"config.yaml", "metrics.jsonl", "run_summary.json", "checkpoints", "completions.jsonl",
+                    "heldout-eval", ".saving-final"})     # .saving-final: the final save's staging (loop.py)
+
+
+class RunDirInUse(OutputExists):
+    """Another process trains in this directory."""
+
+
+# --------------------------------------------------------------------------- the marker
+def read_marker(out: Path) -> dict | None:
+    try:
+        marker = json.loads((Path(out) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def write_marker(out: Path, written=(), foreign=()) -> dict:
+    """A fresh marker: this process claims `out` (a new run, or the one replacing an old run)."""
+    from .. import __version__
+
+    marker = {"format": FORMAT, "created_by": f"mudpuppy {__version__}", "command": _command(),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "created_at": time.time(),
+              "written": sorted(written), "foreign": sorted(foreign)}
+    _store(out, marker)
+    _listed[_key(out)] = set(marker["written"]) | set(marker["foreign"])
+    return marker
+
+
+def note_written(out: Path) -> None:
+    """Add to the marker the top-level names that appeared since it was last written (cheap when nothing
+    did: one directory listing). Called as the run logs, and once more with its summary."""
+    key = _key(out)
+    if key not in _listed:
+        marker = read_marker(out)
+        if marker is None:
+            return                  # not a marked directory: nothing to keep up to date
+        _listed[key] = set(marker.get("written", [])) | set(marker.get("foreign", []))
+    new = set(entries(out)) - _listed[key]
+    if not new:
+        return
+    marker = read_marker(out) or {}
+    marker["written"] = sorted(set(marker.get("written", [])) | new)
+    _store(out, marker)
+    _listed[key] |= new
+
+
+def split_entries(out: Path, marker: dict | None) -> tuple[list[str], list[str]]:
+    """(the run's entries, everyone else's) among what `out` holds now, the marker and lock aside."""
+    marker = marker or {}
+    ours = (set(marker.get("written", [])) | ALWAYS) - set(marker.get("foreign", []))
+    present = entries(out)
+    return [n for n in present if n in ours], [n for n in present if n not in ours]
+
+
+def remove_entries(out: Path, names: list[str]) -> None:
+    for name in names:
+        path = Path(out) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)     # a link goes, never what it points to
+    _listed.pop(_key(out), None)
+
+
+def entries(out: Path) -> list[str]:
+    """What `out` holds, sorted, the marker and the lock aside ([] for a directory that does not exist)."""
+    try:
+        return sorted(set(os.listdir(out)) - OWN)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def looks_like_old_run(out: Path) -> bool:
+    """A run written before markers existed: its config copy and its log or summary."""
+    return (out / "config.yaml").is_file() and ((out / "metrics.jsonl").is_file() or
+                                                 (out / "run_summary.json").is_file())
+
+
+_listed: dict[str, set[str]] = {}        # directory -> the names its marker lists now (saves re-reading it)
+
+
+def _store(out: Path, marker: dict) -> None:
+    path = Path(out) / MARKER
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- what --overwrite refuses
+def check_overwrite_target(out: Path, cfg=None, inside=()) -> None:
+    """Refuse to replace a directory whose loss no marker could excuse: the cwd or one above it, the home
+    directory or one above it, and any directory holding a file the run reads (its config, data, reward
+    functions, the model or adapter it starts from), files under the folders `inside` aside (a
+    curriculum's stages, which start from each other and replace only themselves)."""
+    target = _real(out)
+    cwd, home = _real(Path.cwd()), _real(Path.home())
+    why = None
+    if target == Path(target.anchor):
+        why = "the filesystem root"
+    elif _within(cwd, target):
+        why = "the current directory" if cwd == target else f"a directory above the current one ({cwd})"
+    elif _within(home, target):
+        why = "the home directory" if home == target else f"a directory above the home directory ({home})"
+    elif cfg is not None:
+        skip = [_real(p) for p in inside]
+        used = next((f"{what}: {p}" for what, p in _files_in_use(cfg)
+                     if _within(_real(p), target) and not any(_within(_real(p), s) for s in skip)), None)
+        if used:
+            why = f"a directory holding what this run reads ({used})"
+    if why:
+        raise OutputExists(f"--overwrite: output_dir {out} is {why}; mudpuppy never replaces such a directory. "
+                           "Give the run a directory of its own (e.g. --set output_dir=outputs/my-run)")
+
+
+def _files_in_use(cfg) -> list[tuple[str, Path]]:
+    used = []
+    if getattr(cfg, "source_dir", None):
+        used.append(("the config file's folder", Path(cfg.source_dir)))
+    for section in ("datasets", "val_datasets"):
+        for i, spec in enumerate(getattr(cfg.data, section)):
+            used.append((f"data.{section}.{i}.path", cfg.resolve_path(spec.path)))
+    for i, spec in enumerate(_reward_specs(cfg)):
+        if spec.kind in ("file", "reward_model"):
+            used.append((f"grpo.reward_funcs.{i}", cfg.resolve_path(spec.target)))
+    used.append(("model.base_model", Path(os.path.expanduser(cfg.model.base_model))))
+    if cfg.adapter.init_from:
+        used.append(("adapter.init_from", cfg.resolve_path(cfg.adapter.init_from)))
+    return [(what, p) for what, p in used if p.exists()]
+
+
+def _reward_specs(cfg) -> list:
+    if getattr(cfg, "grpo", None) is None:
+        return []
+    from ..rewards import parse_reward_specs
+
+    return parse_reward_specs(cfg.grpo.reward_funcs, cfg.grpo.reward_weights)
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(os.path.expanduser(path)))
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+# --------------------------------------------------------------------------- the lock
+_held: dict[str, list] = {}              # directory -> [lock file descriptor or None, holds by this process]
+_runs: set[str] = set()                  # directories a run of this process claimed (see end_run)
+
+
+def lock(out: Path) -> None:
+    """Hold `out`'s lock, or raise RunDirInUse naming the process that holds it. The same process may
+    take it again (a curriculum and its stages, a run called twice from Python): holds are counted."""
+    key = _key(out)
+    if key in _held:
+        _held[key][1] += 1
+        return
+    try:
+        fd = os.open(os.path.join(key, LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        raise OutputExists(f"output_dir {out}: cannot write there ({exc.strerror})") from None
+    try:
+        if fcntl is None:
+            raise OSError(0, "no flock on this system")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise RunDirInUse(f"output_dir {out} is in use by another mudpuppy process ({holder}); wait for it to "
+                          "end (or stop it), or choose another output_dir") from None
+    except OSError as exc:          # a filesystem without flock (some network mounts): run, but say so
+        os.close(fd)
+        print(f"warning: output_dir {out} cannot be locked ({exc.strerror}); make sure no other run uses it",
+              file=sys.stderr)
+        fd = None
+    if fd is not None:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "command": _command(),
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode() + b"\n")
+    _held[key] = [fd, 1]
+
+
+def unlock(out: Path) -> None:
+    key = _key(out)
+    if key not in _held:
+        return
+    _held[key][1] -= 1
+    if _held[key][1] <= 0:
+        fd = _held.pop(key)[0]
+        if fd is not None:
+            os.ftruncate(fd, 0)              # no pid left behind to mislead a reader
+            os.close(fd)                     # closing drops the flock
+
+
+@contextmanager
+def locked(out: Path):
+    lock(out)
+    try:
+        yield
+    finally:
+        unlock(out)
+
+
+def start_run(out: Path) -> None:
+    """The lock a run claims with its directory, held until end_run (or the process ends)."""
+    key = _key(out)
+    if key not in _runs:
+        lock(out)
+        _runs.add(key)
+    _listed.pop(key, None)              # read the marker afresh: another process may have run here since
+
+
+def end_run(out: Path) -> None:
+    """Drop the hold start_run took (once, however often it is called): after the summary, or when a
+    run called from Python failed."""
+    key = _key(out)
+    if key in _runs:
+        _runs.discard(key)
+        unlock(out)
+
+
+def is_locked_here(out: Path) -> bool:
+    return _key(out) in _held
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info.get("pid"):
+        return "starting up"
+    return f"pid {info['pid']}: {info.get('command', '?')}, since {info.get('since', '?')}"
+
+
+def _command() -> str:
+    args = [Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python", *sys.argv[1:]]
+    return " ".join(args)[:500]
+
+
+def _key(out: Path) -> str:
+    return os.path.realpath(os.path.expanduser(out))
