@@ -112,9 +112,9 @@ def is_peer_loss(exc: BaseException) -> bool:
 
 
 def raise_failure(cfg, rank: int, cause: str, code: int) -> None:
-    from .training.checkpoints import newest_checkpoint
+    from .training.checkpoints import newest_complete
 
-    newest = newest_checkpoint(Path(cfg.output_dir))
+    newest = newest_complete(Path(cfg.output_dir))
     kept = (f"the newest complete checkpoint, {newest}, is kept: continue with --resume" if newest
             else "no checkpoint had been written")
     error = RankFailed(f"rank {rank} failed: {cause}; every process was stopped; {kept}")

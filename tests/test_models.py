@@ -281,7 +281,7 @@ def test_hub_snapshot_is_returned(tmp_path, monkeypatch):
     import huggingface_hub
 
     snapshot = write_config_dir(tmp_path / "snapshot")
-    (snapshot / "model.safetensors").write_bytes(b"")
+    (snapshot / "model.safetensors").write_bytes(b"\x02" + b"\x00" * 7 + b"{}")    # an empty but whole file
     calls: list = []
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot(snapshot, calls))

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MudpuppyError
+from ..files import check_safetensors
 
 CONFIG_FILE = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -97,6 +98,7 @@ class RawTensor:
 
 def read_safetensors(path: Path) -> tuple[dict[str, RawTensor], dict[str, str]]:
     """Every tensor of a safetensors file, and its metadata."""
+    check_safetensors(path)       # header and offsets against the file's size, before it is read whole
     data = Path(path).read_bytes()
     try:
         (size,) = struct.unpack("<Q", data[:8])

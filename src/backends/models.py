@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelNotFound
+from ..files import check_directory
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ def check_local_dir(path: Path) -> Path:
             "directory. Point model.base_model at the folder that contains config.json, "
             "*.safetensors and the tokenizer files (or at a .gguf file)."
         )
+    check_directory(path)       # config.json, tokenizer files, safetensors headers: a damaged one named in one message
     return path
 
 

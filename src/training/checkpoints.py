@@ -9,12 +9,24 @@ Layout of ``output_dir/checkpoints/step-00000010/``:
 
     weights + optimizer + runtime RNG   written by the backend (save_training_state)
     pipeline_state.json                 step, data position, schedule, eval history
-    complete.json                       written last; its presence means "complete"
+    complete.json                       written last; its presence means "complete"; lists every
+                                        file of the checkpoint with its size
 
 In a distributed run every rank writes its part of the weights and optimizer
 into the same staging directory; rank 0 alone creates it, writes the two JSON
 files and renames it once all ranks are done, so a crash of any rank leaves
 the previous checkpoint as the newest complete one.
+
+A checkpoint that is complete can still be damaged later (a disk that
+filled while another program wrote, a copy cut short): `newest_checkpoint`
+checks the files of each before offering it (sizes against the marker's
+list, safetensors headers, JSON, torch files' structure, DCP metadata
+through an allow-list; files.py) and falls back to the next older one that
+reads, saying which it skipped and why. A damaged checkpoint is never
+deleted: when the resumed run writes that step again, the damaged one is
+moved aside to ``checkpoints/.damaged-step-N-<time>``.
+A write that fails (a full disk) removes its staging directory and ends in
+one message; the checkpoints before it stay.
 """
 
 from __future__ import annotations
@@ -22,14 +34,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
+from .. import files
 from ..distributed import current as current_ranks
 from ..errors import MudpuppyError
 
 DIRNAME = "checkpoints"
 MARKER = "complete.json"
 STATE = "pipeline_state.json"
+SHARDED = "sharded"         # a distributed run's DCP files (backends/torch/distributed.py)
+PLAIN = "trainable.safetensors"     # a single process's weights (both backends' state.py)
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -45,9 +62,66 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-def newest_checkpoint(output_dir: Path) -> Path | None:
+def newest_complete(output_dir: Path) -> Path | None:
+    """The newest checkpoint with its marker, unchecked: for messages right after this process wrote it."""
     found = list_checkpoints(output_dir)
     return found[-1] if found else None
+
+
+def newest_checkpoint(output_dir: Path, report=None) -> Path | None:
+    """The newest complete checkpoint whose files read; each newer damaged one is skipped with one line to
+    `report` (stderr by default). None when there is no complete checkpoint; an error listing them when
+    none reads."""
+    found = list_checkpoints(output_dir)
+    skipped = []
+    for path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        skipped.append(f"{path.name} ({problem})")
+        if path not in _reported:
+            _reported.add(path)
+            (report or _to_stderr)(f"warning: skipping checkpoint {path}: {problem}; it is kept (never read), "
+                                   "the next older one is tried")
+    if skipped:
+        raise files.CorruptFile(f"no checkpoint in {checkpoint_root(output_dir)} reads: {'; '.join(skipped)}. "
+                                "They are kept as they are; start over with --overwrite or a new output_dir")
+    return None
+
+
+_reported: set[Path] = set()        # each damaged checkpoint is reported once per process
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (its files damaged), or None. Plain reads only:
+    sizes against the marker's list, then each file's structure (files.py); nothing is unpickled."""
+    try:
+        marker = files.read_json(path / MARKER)
+        if not isinstance(marker, dict):
+            raise files.CorruptFile(f"{path / MARKER}: not a JSON object")
+        files.read_json(path / STATE)
+        listed = marker.get("files") or {}
+        if not isinstance(listed, dict):
+            raise files.CorruptFile(f"{path / MARKER}: its file list is not a JSON object")
+        for name, size in listed.items():
+            have = (path / name).stat().st_size if (path / name).is_file() else None
+            if have != size:
+                what = "missing" if have is None else f"{have:,} bytes, written as {size:,}"
+                raise files.CorruptFile(f"{path / name}: {what}")
+        files.check_directory(path, everything=True)
+        if (path / SHARDED).exists():
+            if (path / PLAIN).exists():
+                raise files.CorruptFile(both_kinds(path))
+            files.check_dcp_dir(path / SHARDED)
+    except files.CorruptFile as exc:
+        return str(exc).removeprefix(f"{path}/")
+    except OSError as exc:
+        return f"cannot be read ({exc})"
+    return None
 
 
 def save_checkpoint(output_dir: Path, step: int, identity: dict, pipeline_state: dict,
@@ -65,10 +139,14 @@ def save_checkpoint(output_dir: Path, step: int, identity: dict, pipeline_state:
             shutil.rmtree(staging)
         staging.mkdir()
     ranks.barrier()
-    write_backend_state(staging)
-    ranks.barrier()
-    if ranks.is_main:
-        _finish(output_dir, root, staging, final, step, identity, pipeline_state, keep_last_n)
+    newest = newest_complete(output_dir)
+    kept = (f"the newest complete checkpoint, {newest}, is kept: free space, then continue from it with --resume"
+            if newest else "no earlier checkpoint was written")
+    with files.write_errors(f"writing checkpoint {final}", root, cleanup=staging, kept=kept):
+        write_backend_state(staging)
+        ranks.barrier()
+        if ranks.is_main:
+            _finish(output_dir, root, staging, final, step, identity, pipeline_state, keep_last_n)
     ranks.barrier()
     return final
 
@@ -76,10 +154,15 @@ def save_checkpoint(output_dir: Path, step: int, identity: dict, pipeline_state:
 def _finish(output_dir, root: Path, staging: Path, final: Path, step: int, identity: dict, pipeline_state: dict,
             keep_last_n: int | None) -> None:
     (staging / STATE).write_text(json.dumps(pipeline_state), encoding="utf-8")
-    (staging / MARKER).write_text(json.dumps({"step": step, **identity}), encoding="utf-8")
+    # The size of every file, so a later truncation (or a file gone) shows before anything loads it.
+    written = {p.relative_to(staging).as_posix(): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
+    (staging / MARKER).write_text(json.dumps({"step": step, **identity, "files": written}), encoding="utf-8")
     _fsync_dir(staging)
     if final.exists():            # a checkpoint of this step from an earlier attempt
-        shutil.rmtree(final)
+        if checkpoint_problem(final) is None:
+            shutil.rmtree(final)
+        else:                     # one --resume skipped as damaged: kept for inspection, under a name never read
+            os.replace(final, root / f".damaged-{final.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.replace(staging, final)
     _fsync_dir(root)
     if keep_last_n:
@@ -87,16 +170,23 @@ def _finish(output_dir, root: Path, staging: Path, final: Path, step: int, ident
             shutil.rmtree(old, ignore_errors=True)
 
 
+def both_kinds(path: Path) -> str:
+    """A checkpoint is written by one process (PLAIN) or by several (SHARDED), never both: one holding both
+    was changed after it was written (a planted sharded/ would make the loader unpickle it)."""
+    return (f"{path} holds both {PLAIN} (written by one process) and {SHARDED}/ (written by several); no run "
+            "writes both, so it was changed after it was written and is not read")
+
+
 def read_checkpoint(path: Path, identity: dict) -> dict:
     """The pipeline state of a checkpoint, after checking it belongs to this run."""
-    marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    marker = files.read_json(path / MARKER)
     for key, want in identity.items():
         have = marker.get(key)
         if have != want:
             raise MudpuppyError(
                 f"cannot resume from {path}: it was made with {key}={have!r}, this config has {key}={want!r}; "
                 "use the original config, or a new output_dir to start over")
-    return json.loads((path / STATE).read_text(encoding="utf-8"))
+    return files.read_json(path / STATE)
 
 
 def remove_stale_staging(output_dir: Path) -> None:

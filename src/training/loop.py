@@ -11,8 +11,10 @@ Ctrl-C, and the metrics log.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .. import files
 from ..data import Batcher
 from ..distributed import current as current_ranks
 from ..errors import MudpuppyError, OutOfDeviceMemory
@@ -158,7 +161,7 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
             if res.skipped:
                 state.skipped += 1
                 if t.on_nan == "stop":
-                    where = f"; the last good checkpoint is {checkpoints.newest_checkpoint(out)}" if last_saved else ""
+                    where = f"; the last good checkpoint is {checkpoints.newest_complete(out)}" if last_saved else ""
                     raise TrainingDiverged(
                         f"step {step + 1}: non-finite loss or gradient (loss {res.loss}, grad norm {res.grad_norm}); "
                         f"stopped with weights untouched (training.on_nan: stop){where}")
@@ -193,19 +196,19 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
             if fault_step and state.step == fault_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if stop.requested and state.step < steps:
-                path = save(state) if state.step > last_saved else checkpoints.newest_checkpoint(out)
+                path = save(state) if state.step > last_saved else checkpoints.newest_complete(out)
                 raise Interrupted(f"interrupted after step {state.step}; checkpoint saved to {path}. "
                                   "Continue with: mudpuppy run --config ... --resume")
     except OutOfDeviceMemory as exc:
         # Nothing of this step is saved; the newest complete checkpoint is where a resume starts.
-        newest = checkpoints.newest_checkpoint(out)
+        newest = checkpoints.newest_complete(out)
         where = (f"the newest complete checkpoint, {newest}, is kept: continue from it with --resume once the run fits"
                  if newest else "no checkpoint had been written yet (training.save_steps writes them)")
         raise OutOfDeviceMemory(f"step {state.step + 1}: {exc} Nothing of this step was saved; {where}.") from exc
     except KeyboardInterrupt:
         # Stopped at once, possibly mid-step: what is in memory may be half updated, so
         # nothing is saved; the newest complete checkpoint is where a resume starts.
-        newest = checkpoints.newest_checkpoint(out)
+        newest = checkpoints.newest_complete(out)
         where = f"the newest complete checkpoint is {newest}" if newest else "no checkpoint had been written yet"
         raise Interrupted(f"stopped at once during step {state.step + 1}; nothing was saved; {where}. "
                           "Continue with: mudpuppy run --config ... --resume") from None
@@ -271,12 +274,38 @@ def resumed_step(resume_from: Path | None) -> int | None:
 
 def save_trained(cfg, backend, handle, out: Path) -> None:
     """The run's result in output_dir: the adapter (and tokenizer), or the whole model."""
-    if cfg.adapter.type == "none":
-        backend.save_model(handle, str(out))
-    else:
-        backend.save_adapter(handle, str(out))       # collective in a distributed run; rank 0 writes
-        if current_ranks().is_main:
-            handle.tokenizer.save_pretrained(str(out))
+    with staged_final(out) as stage:
+        if cfg.adapter.type == "none":
+            backend.save_model(handle, str(stage))
+        else:
+            backend.save_adapter(handle, str(stage))       # collective in a distributed run; rank 0 writes
+            if current_ranks().is_main:
+                handle.tokenizer.save_pretrained(str(stage))
+
+
+STAGING_FINAL = ".saving-final"
+
+
+@contextlib.contextmanager
+def staged_final(out: Path):
+    """Where the run's result is written first: a staging directory inside output_dir, whose files are
+    renamed into output_dir only once all of them are written. A save that fails (a full disk) leaves
+    output_dir as it was (no tokenizer.json cut short beside a good adapter) and ends in one message;
+    the staging directory goes. In a distributed run rank 0 alone creates, moves and removes it."""
+    out = Path(out)
+    stage = out / STAGING_FINAL
+    main = current_ranks().is_main
+    if main:
+        if stage.exists():                  # left by a process killed mid-save
+            shutil.rmtree(stage)
+        stage.mkdir(parents=True)
+    newest = checkpoints.newest_complete(out)
+    kept = (f"nothing in {out} was replaced; the newest checkpoint, {newest}, holds the trained weights: free "
+            "space, then run again with --resume" if newest else f"nothing in {out} was replaced")
+    with files.write_errors(f"saving the trained model to {out}", out, cleanup=stage if main else None, kept=kept):
+        yield stage
+        if main:
+            files.move_into(stage, out)
 
 
 def watch_progress(cfg, log, total: int, done: int, main: bool):

@@ -24,8 +24,8 @@ from ..errors import DataError
 from ..evaluation import ObjectiveEval, evaluate_objective
 from . import outputs
 from .loop import (
-    LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, total_steps_for,
-    train_loop,
+    LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, staged_final,
+    total_steps_for, train_loop,
 )
 
 SHOWN = 5      # bad records listed in an error
@@ -134,17 +134,18 @@ def save_whole(cfg, backend, handle, out: Path, echo) -> None:
     alone; the adapter, with its trained head, goes to output_dir/adapter for PEFT users."""
     from ..distributed import current
 
-    if cfg.adapter.type == "none":
-        backend.save_model(handle, str(out))
-        return
-    adapter = out / ADAPTER_DIR
-    backend.save_adapter(handle, str(adapter))       # collective in a distributed run; rank 0 writes
-    if not current().is_main:
-        return                  # under ddp rank 0 holds the whole model too, and merges it alone
-    handle.tokenizer.save_pretrained(str(adapter))
-    dtype = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
-    backend.merge_and_save(handle, str(out), dtype)
-    echo(f"saved the whole model ({dtype}, adapter merged) to {out}; the adapter alone to {adapter}")
+    with staged_final(out) as stage:          # all written first, then renamed into output_dir (loop.py)
+        if cfg.adapter.type == "none":
+            backend.save_model(handle, str(stage))
+            return
+        adapter = stage / ADAPTER_DIR
+        backend.save_adapter(handle, str(adapter))       # collective in a distributed run; rank 0 writes
+        if not current().is_main:
+            return                  # under ddp rank 0 holds the whole model too, and merges it alone
+        handle.tokenizer.save_pretrained(str(adapter))
+        dtype = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
+        backend.merge_and_save(handle, str(stage), dtype)
+    echo(f"saved the whole model ({dtype}, adapter merged) to {out}; the adapter alone to {out / ADAPTER_DIR}")
 
 
 def _loss_and_fields(ev: ObjectiveEval) -> tuple[float, dict]:

@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ...files import CorruptFile, check_safetensors, check_zip, read_json
 from ..state_check import check_state_fits
 from .layers import adapter_layers
 
@@ -35,12 +36,18 @@ def save_training_state(backend, handle, trainer, path: str | Path) -> None:
 
 def load_training_state(backend, handle, trainer, path: str | Path) -> None:
     path = Path(path)
+    # Checked before mlx or numpy read them: a damaged file ends in one message naming it.
+    check_safetensors(path / WEIGHTS)
+    check_zip(path / OPTIMIZER)
+    small = read_json(path / TRAINER)
     weights = mx.load(str(path / WEIGHTS))
     trainable = dict(tree_flatten(handle.model.trainable_parameters()))
     check_state_fits(path, trainable, weights)
     handle.model.load_weights(list(weights.items()), strict=False)
-    with np.load(path / OPTIMIZER) as stored:
-        optimizer = {k: stored[k] for k in stored.files}
-    small = json.loads((path / TRAINER).read_text())
+    try:
+        with np.load(path / OPTIMIZER) as stored:       # allow_pickle stays False: arrays only
+            optimizer = {k: stored[k] for k in stored.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise CorruptFile(f"{path / OPTIMIZER}: cannot be loaded ({exc}); the file is damaged or cut short") from None
     trainer.load_state_dict({"optimizer": optimizer, **small})
     mx.eval(handle.model.parameters())

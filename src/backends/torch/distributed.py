@@ -26,7 +26,11 @@ adds no communication of its own beyond one all-reduce of the step's counts.
   exactly the gradient of one process at micro batch N*b.
 - Checkpoints are written with torch.distributed.checkpoint (DCP): each rank
   writes its shard, rank 0 the rest; they load into any number of processes,
-  one included (state.py reads them back).
+  one included (state.py reads them back). DCP reads its `.metadata` with
+  plain pickle and the non-tensor entries (optimizer hyperparameters) with
+  torch.load(weights_only=False), either of which runs whatever a crafted file
+  names; `load_sharded` reads both through allow-lists instead (SafeReader,
+  SafePlanner), after checking the directory's files (files.check_dcp_dir).
 """
 
 from __future__ import annotations
@@ -230,16 +234,17 @@ def save_sharded(handle, trainer, path: Path) -> None:
 
 def load_sharded(handle, trainer, path: Path) -> None:
     """A DCP checkpoint into this process's model and optimizer, whatever the number of processes now."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
         set_optimizer_state_dict,
     )
 
+    from .state import load_torch_file
+
     options = StateDictOptions(ignore_frozen_params=True)
     state = {"model": get_model_state_dict(handle.model, options=options),
              "optim": get_optimizer_state_dict(handle.model, trainer.optimizer, options=options)}
-    dcp.load(state, checkpoint_id=str(path / DCP_DIR))      # every trainable tensor, or it raises
+    load_dcp(state, path / DCP_DIR)      # every trainable tensor, or it raises
     # Not strict: the frozen base is not in the checkpoint, it comes from the model files.
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
     set_model_state_dict(handle.model, state["model"], options=options)
@@ -248,11 +253,83 @@ def load_sharded(handle, trainer, path: Path) -> None:
     own = path / RNG_FILE.format(rank=rank)
     # A different number of processes: ranks beyond the saved ones continue from rank 0's RNG.
     rng = own if own.is_file() else path / RNG_FILE.format(rank=0)
-    trainer.load_runtime_state(torch.load(rng, map_location="cpu", weights_only=True))
+    trainer.load_runtime_state(load_torch_file(rng))
 
 
 def is_sharded(path: Path) -> bool:
     return (Path(path) / DCP_DIR).is_dir()
+
+
+def load_dcp(state: dict, directory: Path) -> None:
+    """dcp.load with nothing in the checkpoint able to run code: the directory checked first, its
+    metadata unpickled through files.DCP_CLASSES, its non-tensor entries through weights_only."""
+    import torch.distributed.checkpoint as dcp
+
+    from ...files import check_dcp_dir
+
+    check_dcp_dir(directory)
+    try:
+        dcp.load(state, checkpoint_id=str(directory), storage_reader=_safe_reader(directory),
+                 planner=_safe_planner(directory))
+    except dcp.api.CheckpointException as exc:
+        # DCP gathers each rank's failure into one exception: ours (a refused file) by name, else its last line.
+        causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        ours = [c for c in causes if isinstance(c, MudpuppyError)]
+        if ours:
+            raise ours[0] from None
+        last = str(causes[0] if causes else exc).strip().splitlines()[-1]
+        raise MudpuppyError(f"checkpoint {directory} does not load into this model and optimizer ({last}); "
+                            "resume with the config that made it") from None
+
+
+def _resolve_dcp_class(module: str, name: str):
+    """The real class for a name files.DCP_CLASSES allows (the allow-list is checked before this is called)."""
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def _safe_reader(directory: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from ...files import load_dcp_metadata
+
+    class SafeReader(FileSystemReader):
+        """FileSystemReader whose read_metadata unpickles through the allow-list (the rest as upstream's)."""
+
+        def read_metadata(self, *args, **kwargs):
+            metadata = load_dcp_metadata(self._get_metadata_path(kwargs.get("rank")), _resolve_dcp_class)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(directory))
+
+
+def _safe_planner(directory: Path):
+    import pickle
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from ...files import CorruptFile
+
+    class SafePlanner(DefaultLoadPlanner):
+        """Non-tensor entries are loaded with weights_only=True first: upstream's own load (weights_only=False)
+        then only ever sees bytes that passed it."""
+
+        def load_bytes(self, read_item, value):
+            try:
+                torch.load(value, weights_only=True)
+            except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise CorruptFile(f"{directory}: entry {read_item.dest_index.fqn} refused ({first}); a file like "
+                                  "this can run code when read, so it was not loaded") from None
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return SafePlanner()
 
 
 def full_state_dict(model, trainable_only: bool) -> dict:

@@ -111,6 +111,9 @@ def checkpoint_keys(directory: Path) -> set[str]:
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
     """Every tensor of a safetensors file: dtype, shape and where its bytes are."""
+    from ...files import check_safetensors
+
+    check_safetensors(path)     # a header claiming 2^40 bytes, or offsets past the end: one message, not MemoryError
     with path.open("rb") as fh:
         (size,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(size))
