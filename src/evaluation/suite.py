@@ -111,7 +111,7 @@ def read_data(col: Column, path: Path, max_samples: int | None) -> LoadedDataset
 
 
 def plan(targets: list[str], data: str | None, options: EvalOptions, base: bool = False,
-         base_model: str | None = None, chat_template: str | None = None
+         base_model: str | None = None, chat_template: str | None = None, trust_remote_code: bool = False
          ) -> tuple[list[Column], list[LoadedDataset | None], EvalOptions]:
     """Columns, each one's records (None each without --data), and the options resolved: every user
     mistake found here, before any model loads (the lm-eval tasks' datasets are read here too)."""
@@ -125,7 +125,7 @@ def plan(targets: list[str], data: str | None, options: EvalOptions, base: bool 
     if (options.include_path or options.tasks_chat_template) and not options.tasks:
         given = "--include-path" if options.include_path else "--tasks-chat-template"
         raise MudpuppyError(f"{given} goes with --tasks NAMES (lm-evaluation-harness tasks); name the tasks to run")
-    columns = resolve_targets(targets, base_model, chat_template)
+    columns = resolve_targets(targets, base_model, chat_template, trust_remote_code)
     if base:
         columns = with_bases(columns)
     if data is None:
@@ -279,12 +279,15 @@ def summary_line(result: ModelResult, rows: list[Row]) -> str:
 
 def run_eval(targets: list[str], data: str | None, options: EvalOptions | None = None, *, backend: str | None = None,
              base: bool = False, base_model: str | None = None, chat_template: str | None = None,
-             out: str | None = None, overwrite: bool = False, echo=print) -> tuple[EvalReport, Path]:
-    """The whole `mudpuppy eval`: check, measure, write; returns the report and where it was written."""
+             out: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
+             echo=print) -> tuple[EvalReport, Path]:
+    """The whole `mudpuppy eval`: check, measure, write; returns the report and where it was written.
+    `trust_remote_code` (--trust-remote-code) lets model code run; a run's own config.yaml never does."""
     from ..backends import create_backend
     from .report import prepare_out_dir, write_report
 
-    columns, datasets, options = plan(targets, data, options or EvalOptions(), base, base_model, chat_template)
+    columns, datasets, options = plan(targets, data, options or EvalOptions(), base, base_model, chat_template,
+                                      trust_remote_code)
     out_dir = prepare_out_dir(out, columns, overwrite)
     name = backend or next((c.cfg.backend for c in columns if c.kind == "run"), "auto")
     if options.tasks and name != "auto":

@@ -26,6 +26,7 @@ from ..backends.adapters import convert_adapter, detect_format, read_adapter
 from ..backends.models import MODEL_ALIASES
 from ..config import RunConfig, load_config
 from ..errors import MudpuppyError
+from ..files import check_directory, read_json
 
 RUN_CONFIG = "config.yaml"
 MODEL_CONFIG = "config.json"
@@ -103,12 +104,52 @@ def load_adapter_any_layout(backend, handle, path: Path) -> None:
 # --------------------------------------------------------------------------- finding targets
 
 def resolve_targets(targets: list[str], base_model: str | None = None,
-                    chat_template: str | None = None) -> list[Column]:
-    columns = [resolve_target(t, base_model, chat_template) for t in targets]
+                    chat_template: str | None = None, trust_remote_code: bool = False) -> list[Column]:
+    columns = [resolve_target(t, base_model, chat_template, trust_remote_code) for t in targets]
     return name_columns(columns)
 
 
-def resolve_target(target: str, base_model: str | None, chat_template: str | None) -> Column:
+def resolve_target(target: str, base_model: str | None, chat_template: str | None,
+                   trust_remote_code: bool = False) -> Column:
+    """The column for TARGET. Model code from a repository or directory runs only when the command that
+    reads it says so (`trust_remote_code`, from --trust-remote-code): a run directory is only read, so the
+    `model.trust_remote_code` its config.yaml carries is never honoured by itself (a shared run directory
+    with an `auto_map` in its config.json would otherwise run its Python unasked)."""
+    return with_trust(find_target(target, base_model, chat_template), target, trust_remote_code)
+
+
+def with_trust(column: Column, target: str, trust_remote_code: bool) -> Column:
+    """The column with model.trust_remote_code set by the command, not by anything read from disk."""
+    if column.cfg.model.trust_remote_code and not trust_remote_code:
+        raise TargetError(f"{target}: its {RUN_CONFIG} sets model.trust_remote_code: true, so loading it may run Python "
+                          "files that came with the model; mudpuppy runs such code only when the command asks for "
+                          "it: pass --trust-remote-code if you trust where this run and its base model came from")
+    local = column.cfg.model.base_model
+    if not trust_remote_code and declares_code(Path(local).expanduser()):
+        raise TargetError(f"{target}: {Path(local) / MODEL_CONFIG} declares auto_map (model code shipped as Python "
+                          "files beside the weights); mudpuppy runs such code only when asked: pass "
+                          "--trust-remote-code if you trust where it came from")
+    model = column.cfg.model.model_copy(update={"trust_remote_code": trust_remote_code})
+    return replace(column, cfg=column.cfg.model_copy(update={"model": model}))
+
+
+def declares_code(model_dir: Path) -> bool:
+    """True when a local model directory's config.json asks for code of its own (auto_map)."""
+    config = model_dir / MODEL_CONFIG
+    if not config.is_file():
+        return False
+    return bool(read_json_object(config).get("auto_map"))
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from `path`, or one message naming the file when it is not one (half-written, binary)."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise TargetError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def find_target(target: str, base_model: str | None, chat_template: str | None) -> Column:
     path = Path(target).expanduser()
     if path.is_dir():
         if (path / RUN_CONFIG).is_file():
@@ -130,6 +171,7 @@ WHAT_A_TARGET_IS = (f"a target is a run directory (holding {RUN_CONFIG}), an ada
 
 
 def run_column(target: str, path: Path) -> Column:
+    check_directory(path)       # a damaged adapter, config.json or tokenizer.json named now, not deep in a loader
     cfg = load_config(path / RUN_CONFIG, check_files=False)
     if cfg.method in ("rm", "prm"):
         raise TargetError(f"{target}: a reward model run (method {cfg.method}) scores sequences and generates "
@@ -146,6 +188,7 @@ def run_column(target: str, path: Path) -> Column:
 
 
 def adapter_column(target: str, path: Path, base_model: str | None, chat_template: str | None) -> Column:
+    check_directory(path)
     named = base_model or read_adapter_base(path)
     if not named:
         raise TargetError(f"{target}: the adapter does not name its base model ({ADAPTER_CONFIG} has no "
@@ -161,7 +204,7 @@ def adapter_column(target: str, path: Path, base_model: str | None, chat_templat
 def model_column(target: str, model: str, chat_template: str | None) -> Column:
     config = Path(model) / MODEL_CONFIG
     if config.is_file():
-        heads = [a for a in json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
+        heads = [a for a in read_json_object(config).get("architectures") or []
                  if a.endswith(SCORE_HEADS)]
         if heads:
             raise TargetError(f"{target}: a {heads[0]} model scores sequences and generates nothing to evaluate "
@@ -171,13 +214,13 @@ def model_column(target: str, model: str, chat_template: str | None) -> Column:
 
 def read_adapter_base(path: Path) -> str | None:
     if detect_format(path) == "peft":
-        return json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+        return read_json_object(path / ADAPTER_CONFIG).get("base_model_name_or_path")
     return read_adapter(path).base_model
 
 
 def read_adapter_kind(path: Path) -> str:
     if detect_format(path) == "peft":
-        return "dora" if json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("use_dora") else "lora"
+        return "dora" if read_json_object(path / ADAPTER_CONFIG).get("use_dora") else "lora"
     return read_adapter(path).kind
 
 

@@ -40,6 +40,7 @@ class ExportRequest:
     base_model: str | None = None     # for an adapter directory that does not name its base
     chat_template: str | None = None  # for adapters and models without a run config
     backend: str = "cpu"              # the torch backend that merges
+    trust_remote_code: bool = False   # --trust-remote-code: model code may run (never from a run's config.yaml)
 
 
 @dataclass
@@ -84,7 +85,7 @@ def export_model(req: ExportRequest, echo=print) -> ExportResult:
     out = Path(req.out).expanduser()
     check_out(out, req.overwrite)
     check_chat_template(req.chat_template)
-    src = resolve_source(req.source, req.base_model, req.chat_template)
+    src = resolve_source(req.source, req.base_model, req.chat_template, req.trust_remote_code)
     if req.chat_template and src.kind == "run":
         raise MudpuppyError("--chat-template: a run exports the chat template it trained with "
                             f"(data.chat_template in {req.source}/config.yaml); leave the option out")

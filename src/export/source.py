@@ -26,7 +26,7 @@ from ..backends.models import MODEL_ALIASES, looks_like_local_path, patch_rope_t
 from ..config import load_config
 from ..errors import MudpuppyError
 from ..evaluation.targets import (ADAPTER_CONFIG, MODEL_CONFIG, RUN_CONFIG, Column, adapter_column, model_column,
-                                  run_column)
+                                  read_json_object, run_column, with_trust)
 from .gptq import dequantize_gptq_dir
 from .qat import dequantize_qat_dir
 
@@ -88,7 +88,7 @@ class ExportSource:
         return tok
 
     def model_config(self) -> dict:
-        return json.loads((self.model_dir() / MODEL_CONFIG).read_text(encoding="utf-8"))
+        return read_json_object(self.model_dir() / MODEL_CONFIG)
 
     def dequantize_into(self, staging: Path, echo) -> None:
         """A quantized base or model is replaced, for this export, by its dequantized copy in `staging`."""
@@ -134,13 +134,21 @@ class ExportSource:
 def patch_config_for_runtimes(model_dir: Path) -> None:
     """rope_theta at the top level of config.json too (transformers 5 nests it; mlx-lm reads it there)."""
     path = Path(model_dir) / MODEL_CONFIG
-    config = json.loads(path.read_text(encoding="utf-8"))
+    config = read_json_object(path)
     patched = patch_rope_theta(config)
     if patched != config:
         path.write_text(json.dumps(patched, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def resolve_source(source: str, base_model: str | None = None, chat_template: str | None = None) -> ExportSource:
+def resolve_source(source: str, base_model: str | None = None, chat_template: str | None = None,
+                   trust_remote_code: bool = False) -> ExportSource:
+    """SOURCE found and checked; model code runs only with `trust_remote_code` (--trust-remote-code), never
+    because a run directory's config.yaml asks for it (evaluation.targets.with_trust)."""
+    found = find_source(source, base_model, chat_template)
+    return replace(found, column=with_trust(found.column, source, trust_remote_code))
+
+
+def find_source(source: str, base_model: str | None, chat_template: str | None) -> ExportSource:
     path = Path(source).expanduser()
     name = path.name if path.exists() else source
     name = name.removesuffix(".gguf") or source

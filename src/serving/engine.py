@@ -119,12 +119,14 @@ class ChatModel:
 
 
 def load_chat_model(target: str, backend: str | None = None, precision: str = "auto", base_model: str | None = None,
-                    chat_template: str | None = None, name: str | None = None) -> ChatModel:
-    """TARGET (run, adapter, model directory, .gguf or alias) loaded on `backend` (default: the run's, else auto)."""
+                    chat_template: str | None = None, name: str | None = None,
+                    trust_remote_code: bool = False) -> ChatModel:
+    """TARGET (run, adapter, model directory, .gguf or alias) loaded on `backend` (default: the run's, else auto).
+    Model code runs only with `trust_remote_code` (--trust-remote-code), never from a run's config.yaml."""
     from ..backends import create_backend
     from ..evaluation.targets import resolve_target
 
-    column = resolve_target(target, base_model, chat_template)
+    column = resolve_target(target, base_model, chat_template, trust_remote_code)
     impl = create_backend(backend or (column.cfg.backend if column.kind == "run" else "auto"))
     handle = column.load(impl, precision)
     if apply_chat_template_choice(handle.tokenizer, column.cfg.data.chat_template) is None:
