@@ -7,6 +7,7 @@ the traceback. Anything else is a mudpuppy bug and keeps its traceback.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -469,11 +470,13 @@ def score(config_path, data_path, backend, overrides, debug):
 @click.option("--chat-template", default=None,
               help="For adapters and models without a run config: a built-in template name or Jinja "
                    "(default: the tokenizer's own). A run always uses its own.")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Let Python files that came with the model run (auto_map); never taken from a run's config.yaml.")
 @debug_option
 @_handle_errors
 def evaluate(targets, data_path, metrics, embedding_model, tasks, include_path, tasks_chat_template, backend,
              with_base, base_model, out_dir, overwrite, max_samples, regex, normalize, max_new_tokens, batch_size,
-             precision, beta, chat_template, debug):
+             precision, beta, chat_template, trust_remote_code, debug):
     """Measure runs, adapters or models on a data file and lm-eval tasks, side by side (docs/eval.md).
 
     TARGET is a run directory, an adapter directory, a merged or plain model
@@ -490,7 +493,8 @@ def evaluate(targets, data_path, metrics, embedding_model, tasks, include_path, 
                           tasks=parse_tasks(tasks) if tasks is not None else None, include_path=include_path,
                           tasks_chat_template=tasks_chat_template)
     run_eval(list(targets), data_path, options, backend=backend, base=with_base, base_model=base_model,
-             chat_template=chat_template, out=out_dir, overwrite=overwrite, echo=click.echo)
+             chat_template=chat_template, out=out_dir, overwrite=overwrite, trust_remote_code=trust_remote_code,
+             echo=click.echo)
 
 
 def _normalize_flags(text: str) -> tuple[bool, bool]:
@@ -518,17 +522,19 @@ def _normalize_flags(text: str) -> tuple[bool, bool]:
               help="For adapters and models without a run config: a built-in template name or Jinja "
                    "(default: the tokenizer's own). A run always exports the template it trained with.")
 @click.option("--overwrite", is_flag=True, help="Replace an earlier export in --out.")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Let Python files that came with the model run (auto_map); never taken from a run's config.yaml.")
 @debug_option
 @_handle_errors
-def export(source, fmt, out_dir, dtype, quant, base_model, chat_template, overwrite, debug):
+def export(source, fmt, out_dir, dtype, quant, base_model, chat_template, overwrite, trust_remote_code, debug):
     """Export a run, adapter or model as merged safetensors, GGUF, Ollama or MLX (docs/export.md).
 
     SOURCE is a run directory, an adapter directory, a model directory, a .gguf file or a model alias.
     """
     from .export import ExportRequest, export_model
 
-    result = export_model(ExportRequest(source, fmt, out_dir, dtype, quant, overwrite, base_model, chat_template),
-                          echo=click.echo)
+    result = export_model(ExportRequest(source, fmt, out_dir, dtype, quant, overwrite, base_model, chat_template,
+                                        trust_remote_code=trust_remote_code), echo=click.echo)
     click.echo(f"exported {fmt} to {result.out}: {', '.join(result.files)}")
     if fmt == "ollama":
         click.echo(f"  ollama create NAME -f {result.out / 'Modelfile'}")
@@ -546,6 +552,9 @@ def _talk_options(fn):
         click.option("--chat-template", default=None,
                      help="For adapters and models without a run config: a built-in template name or Jinja "
                           "(default: the tokenizer's own). A run always uses the template it trained with."),
+        click.option("--trust-remote-code", is_flag=True,
+                     help="Let Python files that came with the model run (auto_map); never taken from a run's "
+                          "config.yaml."),
         click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
                      help="Nucleus sampling: keep the most likely tokens up to this probability mass."),
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
@@ -557,11 +566,11 @@ def _talk_options(fn):
     return fn
 
 
-def _load_talking_model(target, backend, precision, base_model, chat_template, name=None):
+def _load_talking_model(target, backend, precision, base_model, chat_template, trust_remote_code, name=None):
     from .serving import load_chat_model
 
     click.echo(f"loading {target} ...", err=True)
-    model = load_chat_model(target, backend, precision, base_model, chat_template, name)
+    model = load_chat_model(target, backend, precision, base_model, chat_template, name, trust_remote_code)
     click.echo(f"backend: {model.backend.name} on {model.backend.device}; {model.description}", err=True)
     return model
 
@@ -578,8 +587,8 @@ def _load_talking_model(target, backend, precision, base_model, chat_template, n
                                             "tokens/s (on stderr).")
 @debug_option
 @_handle_errors
-def chat(target, backend, precision, base_model, chat_template, top_p, top_k, seed, temperature, max_new_tokens,
-         system_prompt, stats, debug):
+def chat(target, backend, precision, base_model, chat_template, trust_remote_code, top_p, top_k, seed, temperature,
+         max_new_tokens, system_prompt, stats, debug):
     """Talk to a run, adapter or model in the terminal, the answer streamed as it is generated.
 
     RUN_OR_MODEL is a run directory, an adapter directory, a model directory, a .gguf file or a
@@ -589,7 +598,7 @@ def chat(target, backend, precision, base_model, chat_template, top_p, top_k, se
     from .serving import GenerationOptions
     from .serving.chat import ChatSession, run_chat
 
-    model = _load_talking_model(target, backend, precision, base_model, chat_template)
+    model = _load_talking_model(target, backend, precision, base_model, chat_template, trust_remote_code)
     options = GenerationOptions(max_new_tokens, temperature, top_p, top_k, seed)
     run_chat(ChatSession(model, options, system_prompt or model.system_prompt), stats=stats)
 
@@ -597,7 +606,7 @@ def chat(target, backend, precision, base_model, chat_template, top_p, top_k, se
 @main.command()
 @_talk_options
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on; 0.0.0.0 opens the server to the network (it has no authentication).")
+              help="Address to listen on; 0.0.0.0 opens the server to the network (set --api-key then).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True,
               help="TCP port (0: a free one, printed at start).")
 @click.option("--model-name", default=None, help="The model id clients send and /v1/models lists "
@@ -605,27 +614,53 @@ def chat(target, backend, precision, base_model, chat_template, top_p, top_k, se
 @click.option("--temperature", type=click.FloatRange(min=0, max=2), default=1.0, show_default=True,
               help="Temperature for requests that do not set one (OpenAI's default is 1).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
-              help="max_tokens for requests that do not set one.")
+              help="max_tokens for requests that do not set one (cut to what the context leaves).")
+@click.option("--max-tokens", "max_tokens_cap", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="The most tokens one request may ask for; above it, or above the context left after the "
+                   "prompt, a request gets a 400.")
+@click.option("--request-timeout", type=click.FloatRange(min=0), default=600.0, show_default=True,
+              help="Seconds one answer may take from its arrival; then it ends with finish_reason "
+                   "\"length\" (0: no limit).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Answers decoded together in one batch; more requests wait for a place.")
+@click.option("--api-key", envvar="MUDPUPPY_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every request (401 otherwise).")
+@click.option("--allow-origin", "allow_origins", multiple=True, metavar="ORIGIN",
+              help="A web origin (https://app.example) whose pages may call the server from a browser; "
+                   "repeatable, * for any. Other origins get a 403.")
 @debug_option
 @_handle_errors
-def serve(target, backend, precision, base_model, chat_template, top_p, top_k, seed, host, port, model_name,
-          temperature, max_new_tokens, debug):
+def serve(target, backend, precision, base_model, chat_template, trust_remote_code, top_p, top_k, seed, host, port,
+          model_name, temperature, max_new_tokens, max_tokens_cap, request_timeout, max_batch, api_key, allow_origins,
+          debug):
     """Serve a run, adapter or model with OpenAI's chat completions API (docs/serve.md).
 
     POST /v1/chat/completions (stream: true for server-sent events) and GET /v1/models, on
-    127.0.0.1:8000 unless --host/--port say otherwise. One generation at a time.
+    127.0.0.1:8000 unless --host/--port say otherwise. Concurrent requests are decoded
+    together in one batch. Ctrl-C or SIGTERM ends the answers in progress and exits 0.
     """
     from .serving import GenerationOptions
-    from .serving.server import serve as serve_model, start_server
+    from .serving.server import ServerLimits, serve as serve_model, start_server
 
+    if max_new_tokens > max_tokens_cap:
+        raise click.BadParameter(f"{max_new_tokens} is above --max-tokens {max_tokens_cap}",
+                                 param_hint="--max-new-tokens")
     defaults = GenerationOptions(max_new_tokens, temperature, top_p, top_k, seed)
-    server = start_server(None, host, port, defaults)      # a port in use is reported before the model loads
+    limits = ServerLimits(max_tokens_cap, request_timeout or None, max_batch, api_key or None, tuple(allow_origins))
+    server = start_server(None, host, port, defaults, limits=limits)   # a port in use is reported before the load
     try:
-        model = _load_talking_model(target, backend, precision, base_model, chat_template, model_name)
+        model = _load_talking_model(target, backend, precision, base_model, chat_template, trust_remote_code,
+                                    model_name)
     except BaseException:
         server.server_close()
         raise
     serve_model(model, host, port, defaults, echo=click.echo, server=server)
+    # Everything is closed and the decoding thread joined; what is left is the interpreter's teardown, where
+    # torch's C++ thread pools can abort the process ("terminate called without an active exception", exit
+    # 134) when a signal ended the run. Nothing is left to write, so leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @main.command()

@@ -141,6 +141,32 @@ class TrainerProtocol(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class Decoder(Protocol):
+    """Continuous batching for one loaded model (`BackendProtocol.open_decoder`): sequences join and
+    leave between steps, and each step decodes one token for every sequence in one batch.
+
+    A sequence computes what it would alone: greedy decoding gives `generate`'s ids (up to the
+    rounding of a padded batch), sampling draws from a random state of its own, seeded by
+    `seed`, so its ids do not depend on what else is in the batch. Stop tokens, lengths and
+    deadlines are the caller's business: a sequence runs until `remove`.
+    One thread owns a decoder."""
+
+    def add(self, prompt: list[int], sampling: "Sampling | None", seed: int) -> int:
+        """Prefill `prompt` (at least one token); returns the sequence's slot. Its first token
+        comes from the next `step`. `sampling` None is greedy."""
+
+    def step(self) -> dict[int, int]:
+        """One new token for every sequence added and not removed: {slot: token id}."""
+
+    def remove(self, slot: int) -> None:
+        """Drop a sequence (finished, cancelled); its memory is freed before the next step."""
+
+    def batch_sizes(self) -> dict[int, int]:
+        """How many steps decoded how many sequences at once: {batch size: steps}."""
+
+    def close(self) -> None: ...
+
+
 @runtime_checkable
 class BackendProtocol(Protocol):
     name: str
@@ -232,6 +258,9 @@ class BackendProtocol(Protocol):
         """Generate for one prompt, handing each new id to `on_token` as soon as it exists (the stop token
         included); `on_token` returns False to end early. Greedy (`sampling` None) produces the ids
         `generate` returns, sampled the ids `sample` returns for the same seed."""
+
+    def open_decoder(self, handle: ModelHandle) -> Decoder:
+        """A continuous-batching decoder over `handle` (for `mudpuppy serve`): see `Decoder`."""
 
     def token_logprobs(
         self, handle: ModelHandle, batch: "Batch", grad: bool = True, temperature: float = 1.0,

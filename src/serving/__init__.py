@@ -5,10 +5,15 @@
     streaming      token-by-token generation through the backend's `stream` (backends/*/streaming.py:
                    transformers' generate with a streamer on torch, the backend's own loops on MLX)
     chat           the REPL and its slash commands
-    server         the OpenAI-compatible server (standard library only)
+    server         the OpenAI-compatible server (standard library only): HTTP, shutdown
+    requests       a request body checked into options and token limits, or an OpenAI error
+    security       API key, Origin / Host / Content-Type rules against cross-site requests
+    scheduler      continuous batching: one thread owns the model and decodes every answer in one
+                   batch through the backend's `open_decoder`
 
-Generation goes through the same calls as `BackendProtocol.generate` and `sample`, with a hook
-per token, so a streamed greedy answer is the one `mudpuppy eval` would score.
+The chat REPL generates through the same calls as `BackendProtocol.generate` and `sample`, with a
+hook per token; the server's batched decoder gives the same ids (tested), so a greedy answer is
+the one `mudpuppy eval` would score either way.
 """
 
 from .engine import ChatModel, Completion, GenerationOptions, load_chat_model

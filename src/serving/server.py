@@ -5,194 +5,161 @@
     POST /v1/chat/completions    messages, temperature, top_p, top_k, max_tokens (max_completion_tokens),
                                  stop, seed, stream, stream_options.include_usage, n (1 only)
 
-Requests are read by a thread each (ThreadingHTTPServer); generation runs one at a
-time behind a lock, since one model serves them all. `stream: true` answers with
-server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. A request
-that is wrong gets OpenAI's error body, {"error": {"message", "type", "param", "code"}},
-with the matching status, and the server goes on serving. Other fields OpenAI defines
-(frequency_penalty, logprobs, user, ...) are accepted and ignored.
+Requests are read by a thread each (ThreadingHTTPServer) and checked (requests.py: fields
+and limits; security.py: API key, Origin, Host, Content-Type); the model belongs to one
+scheduler thread that decodes every request's answer in one batch (scheduler.py). `stream:
+true` answers with server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+A request that is wrong gets OpenAI's error body, {"error": {"message", "type", "param",
+"code"}}, with the matching status, and the server goes on serving. Other fields OpenAI
+defines (frequency_penalty, logprobs, user, ...) are accepted and ignored.
+
+Stopping (Ctrl-C, SIGTERM): no new connections; every answer in progress ends at once with
+finish_reason "length" (a stream gets its last chunk and `data: [DONE]`); the scheduler
+thread is joined, so nothing runs inside torch at exit; then the process exits 0.
 """
 
 from __future__ import annotations
 
 import json
+import select
+import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..errors import MudpuppyError
 from .engine import ChatModel, GenerationOptions
+from .requests import RequestError, apply_limits, context_length, load_json, parse_chat_request
+from .scheduler import ClientGone, GenerationFailed, Scheduler, Stopping, generate
+from .security import Guard, is_loopback
 
 MAX_BODY = 16 * 2**20
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+GRACE = 10.0          # seconds answers in progress get to send their ending at shutdown
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+@dataclass(frozen=True)
+class ServerLimits:
+    max_tokens: int = 4096                 # the most a request may ask for (--max-tokens)
+    request_timeout: float | None = 600.0  # seconds from arrival to the last token (--request-timeout; None: none)
+    max_batch: int = 16                    # answers decoded together (--max-batch); more wait their turn
+    api_key: str | None = None
+    allow_origins: tuple[str, ...] = ()
 
 
 class ChatServer(ThreadingHTTPServer):
-    daemon_threads = True
+    daemon_threads = True                  # request threads never touch the model; the scheduler's is joined
 
-    def __init__(self, address: tuple[str, int], model: ChatModel | None, defaults: GenerationOptions, log=None):
-        self.model = model
+    def __init__(self, address: tuple[str, int], model: ChatModel | None, defaults: GenerationOptions, log=None,
+                 limits: ServerLimits | None = None):
         self.defaults = defaults
-        self.lock = threading.Lock()      # one generation at a time
+        self.limits = limits or ServerLimits()
         self.created = int(time.time())
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.guard = Guard(self.limits.api_key, self.limits.allow_origins, is_loopback(address[0]))
+        self.model: ChatModel | None = None
+        self.scheduler: Scheduler | None = None
+        self.context: int | None = None
+        self.busy = threading.Condition()   # guards `answering` and `connections`
+        self.answering = 0                   # requests with an answer in progress
+        self.connections: set[socket.socket] = set()
+        self.stopping = False
         super().__init__(address, Handler)
+        if model is not None:
+            self.attach(model)
+
+    def attach(self, model: ChatModel) -> None:
+        """Serve `model`: its scheduler thread starts here."""
+        self.model = model
+        self.context = context_length(model.handle)
+        self.scheduler = Scheduler(model, self.limits.max_batch, self.log)
 
     def model_card(self) -> dict:
         return {"id": self.model.name, "object": "model", "created": self.created, "owned_by": "mudpuppy"}
 
+    def stop_answers(self) -> None:
+        """End every answer in progress and wait (GRACE at most) until each has been sent; close idle connections."""
+        self.stopping = True
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        deadline = time.monotonic() + GRACE
+        with self.busy:
+            while self.answering and time.monotonic() < deadline:
+                self.busy.wait(0.1)
+            for conn in list(self.connections):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)     # a keep-alive connection waiting for its next request
+                except OSError:
+                    pass
+            # ...and wait for their threads to log and leave: a daemon thread writing to stderr while
+            # the interpreter exits is a fatal error (SIGABRT, "could not acquire lock for <stderr>")
+            deadline = time.monotonic() + 2.0
+            while self.connections and time.monotonic() < deadline:
+                self.busy.wait(0.05)
+
+    def server_close(self) -> None:
+        self.stop_answers()
+        super().server_close()
+
 
 def start_server(model: ChatModel | None, host: str, port: int, defaults: GenerationOptions,
-                 log=None) -> ChatServer:
+                 log=None, limits: ServerLimits | None = None) -> ChatServer:
     """The server bound to host:port (not serving yet). The CLI binds before the model loads, with
     `model` None, so that a port in use is reported at once rather than after the load."""
     try:
-        return ChatServer((host, port), model, defaults, log)
+        return ChatServer((host, port), model, defaults, log, limits)
     except OSError as exc:
         hint = " (--port 0 picks a free one)" if exc.errno in (98, 48) else ""
         raise MudpuppyError(f"--host {host} --port {port}: cannot listen there: {exc.strerror or exc}{hint}") from exc
 
 
 def serve(model: ChatModel, host: str, port: int, defaults: GenerationOptions, echo=print,
-          server: ChatServer | None = None) -> None:
-    """Serve until Ctrl-C, then close the socket and return. `server`: one bound already by start_server."""
+          server: ChatServer | None = None, limits: ServerLimits | None = None) -> None:
+    """Serve until Ctrl-C or SIGTERM, then stop as the module docstring says and return.
+    `server`: one bound already by start_server."""
     if server is None:
-        server = start_server(model, host, port, defaults)
-    server.model = model
+        server = start_server(model, host, port, defaults, limits=limits)
+    if server.model is None:
+        server.attach(model)
     shown = f"[{host}]" if ":" in host else host
+    if not is_loopback(host) and server.limits.api_key is None:
+        print(f"warning: --host {host} opens this server to the network and it has no API key: anyone who can "
+              "reach the port can use it. Set --api-key (or MUDPUPPY_API_KEY).", file=sys.stderr, flush=True)
     echo(f"serving {model.name} ({model.description}) at http://{shown}:{server.server_port}/v1")
     echo("  POST /v1/chat/completions, GET /v1/models; Ctrl-C stops")
+    previous = install_stop_signals()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        echo("stopped")
+        echo("stopping: ending the answers in progress")
     finally:
         server.server_close()
+        restore_signals(previous)
+    echo("stopped")
 
 
-# --------------------------------------------------------------------------- requests
+def install_stop_signals() -> dict:
+    """SIGINT and SIGTERM leave serve_forever (in the main thread) once; a second one waits for the first."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    fired = []
 
-def parse_chat_request(body: dict, served: str, defaults: GenerationOptions) -> tuple[list[dict], GenerationOptions,
-                                                                                        bool, bool]:
-    """(messages, options, stream, include_usage) from a /v1/chat/completions body, or a RequestError."""
-    model = body.get("model")
-    if model is not None and model != served:
-        raise RequestError(404, f"The model `{model}` does not exist; this server serves `{served}`.", "model",
-                           "model_not_found")
-    messages = parse_messages(body.get("messages"))
-    max_tokens = integer(body, "max_tokens", defaults.max_new_tokens, 1)
-    options = replace(
-        defaults,
-        temperature=number(body, "temperature", defaults.temperature, 0.0, 2.0),
-        top_p=number(body, "top_p", defaults.top_p, 0.0, 1.0, low_open=True),
-        top_k=integer(body, "top_k", defaults.top_k, 0),
-        max_new_tokens=integer(body, "max_completion_tokens", max_tokens, 1),
-        seed=integer(body, "seed", defaults.seed, None),
-        stop=parse_stop(body.get("stop")),
-    )
-    if body.get("n", 1) != 1:
-        raise RequestError(400, "Only n=1 is supported.", "n", "unsupported_value")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise RequestError(400, f"Invalid type for 'stream': expected a boolean, got {kind(stream)}.", "stream",
-                           "invalid_type")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise RequestError(400, "Invalid type for 'stream_options': expected an object.", "stream_options",
-                           "invalid_type")
-    return messages, options, stream, bool(stream_options.get("include_usage"))
+    def on_signal(signum, frame):
+        if not fired:
+            fired.append(signum)
+            raise KeyboardInterrupt
+        print("already stopping; the answers in progress are ending", file=sys.stderr, flush=True)
+
+    return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
-def parse_messages(value) -> list[dict]:
-    if value is None:
-        raise RequestError(400, "Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
-    if not isinstance(value, list) or not value:
-        raise RequestError(400, "'messages' must be a non-empty array of {role, content} objects.", "messages",
-                           "invalid_type")
-    out = []
-    for i, msg in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise RequestError(400, f"Invalid type for '{where}': expected an object.", where, "invalid_type")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise RequestError(400, f"Invalid value for '{where}.role': {role!r}; supported: "
-                                    f"{', '.join(ROLES)}.", f"{where}.role", "invalid_value")
-        out.append({"role": ROLES[role], "content": message_text(msg.get("content"), f"{where}.content")})
-    return out
-
-
-def message_text(content, where: str) -> str:
-    """A string, or OpenAI's content parts of type text, joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(400, f"Invalid content part in '{where}': only text parts are supported.", where,
-                                   "invalid_value")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise RequestError(400, f"Invalid type for '{where}': expected a string or an array of text parts, got "
-                            f"{kind(content)}.", where, "invalid_type")
-
-
-def parse_stop(value) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and len(value) <= 4 and all(isinstance(s, str) for s in value):
-        return tuple(value)
-    raise RequestError(400, "Invalid value for 'stop': expected a string or an array of up to 4 strings.", "stop",
-                       "invalid_value")
-
-
-def number(body: dict, key: str, default, low: float, high: float, low_open: bool = False):
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(400, f"Invalid type for '{key}': expected a number, got {kind(value)}.", key, "invalid_type")
-    if value > high or value < low or (low_open and value == low):
-        span = f"{'above' if low_open else 'at least'} {low:g} and at most {high:g}"
-        raise RequestError(400, f"Invalid value for '{key}': {value}; it must be {span}.", key, "invalid_value")
-    return float(value)
-
-
-def integer(body: dict, key: str, default, low: int | None):
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(400, f"Invalid type for '{key}': expected an integer, got {kind(value)}.", key,
-                           "invalid_type")
-    if low is not None and value < low:
-        raise RequestError(400, f"Invalid value for '{key}': {value}; it must be at least {low}.", key,
-                           "invalid_value")
-    return value
-
-
-def kind(value) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-            type(None): "null"}.get(type(value), type(value).__name__)
+def restore_signals(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 # --------------------------------------------------------------------------- the handler
@@ -201,6 +168,21 @@ class Handler(BaseHTTPRequestHandler):
     server: ChatServer
     protocol_version = "HTTP/1.1"
     server_version = "mudpuppy"
+    timeout = 120          # seconds a connection may sit idle or half-sent (slow clients hold a thread each)
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server.busy:
+            self.server.connections.add(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        except OSError:
+            pass
+        with self.server.busy:
+            self.server.connections.discard(self.connection)
+            self.server.busy.notify_all()
 
     def log_message(self, format: str, *args) -> None:
         self.server.log(f"{self.address_string()} {format % args}")
@@ -211,20 +193,36 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.guard(self.post)
 
+    def do_OPTIONS(self) -> None:
+        """A browser's preflight: answered for origins --allow-origin lets in (the guard refuses others)."""
+        self.guard(self.preflight)
+
     def guard(self, handler) -> None:
         """Every failure becomes an OpenAI error body; nothing a request does stops the server."""
         try:
+            self.server.guard.check(self.command, self.headers)
             handler()
         except RequestError as exc:
+            if exc.status in (401, 403, 415):
+                self.close_connection = True      # its body was not read
             self.send_json(exc.status, exc.body())
         except MudpuppyError as exc:
             self.send_json(400, RequestError(400, str(exc)).body())
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, ClientGone):
             self.close_connection = True
         except Exception as exc:   # a bug: say so, keep serving
             self.server.log(traceback.format_exc())
             self.send_json(500, RequestError(500, f"The server failed on this request: {type(exc).__name__}: {exc}",
                                              kind="server_error").body())
+
+    def preflight(self) -> None:
+        self.send_response(204)
+        self.cors_headers()
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def get(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
@@ -245,14 +243,23 @@ class Handler(BaseHTTPRequestHandler):
         if path != "/v1/chat/completions":
             self.read_body_raw()       # leave the connection clean for the next request
             raise RequestError(404, f"Unknown request URL: POST {self.path}.", code="unknown_url")
-        body = self.read_json()
-        messages, options, stream, include_usage = parse_chat_request(body, self.server.model.name,
-                                                                      self.server.defaults)
-        with self.server.lock:
-            if stream:
-                self.stream_completion(messages, options, include_usage)
+        server = self.server
+        request = parse_chat_request(load_json(self.read_body_raw()), server.model.name, server.defaults)
+        prompt = server.model.prompt_ids(request.messages)
+        options = apply_limits(request, len(prompt), server.context, server.limits.max_tokens)
+        if server.stopping:
+            raise RequestError(503, "The server is shutting down.", kind="server_error", code="shutting_down")
+        with server.busy:
+            server.answering += 1
+        try:
+            if request.stream:
+                self.stream_completion(prompt, options, request.include_usage)
             else:
-                self.send_json(200, self.completion(messages, options))
+                self.send_json(200, self.completion(prompt, options))
+        finally:
+            with server.busy:
+                server.answering -= 1
+                server.busy.notify_all()
 
     # ----------------------------------------------------------------- bodies
     def read_body_raw(self) -> bytes:
@@ -271,31 +278,51 @@ class Handler(BaseHTTPRequestHandler):
                                code="request_too_large")
         return self.rfile.read(size)
 
-    def read_json(self) -> dict:
-        raw = self.read_body_raw()
-        try:
-            body = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RequestError(400, f"We could not parse the JSON body of your request ({exc}). The body must be "
-                                    "a JSON object.", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise RequestError(400, f"The request body must be a JSON object, got {kind(body)}.",
-                               code="invalid_json")
-        return body
-
     def send_json(self, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        self.cors_headers()
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
+    def cors_headers(self) -> None:
+        origin = self.server.guard.cors_origin(self.headers)
+        if origin is not None:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+
     # ----------------------------------------------------------------- answers
-    def completion(self, messages: list[dict], options: GenerationOptions) -> dict:
-        done = self.server.model.complete(messages, options)
+    def generate(self, prompt: list[int], options: GenerationOptions, on_text=None):
+        try:
+            return generate(self.server.scheduler, prompt, options, self.server.limits.request_timeout, on_text,
+                            self.client_gone)
+        except Stopping:
+            raise RequestError(503, "The server is shutting down.", kind="server_error",
+                               code="shutting_down") from None
+
+    def client_gone(self) -> bool:
+        """The client closed its end (a read would return nothing): its answer is not wanted any more."""
+        if self.server.stopping:
+            return False        # shutdown ends every answer itself, and sends each its ending
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            if not readable:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def completion(self, prompt: list[int], options: GenerationOptions) -> dict:
+        try:
+            done = self.generate(prompt, options)
+        except GenerationFailed as exc:
+            raise RequestError(500, f"Generation failed: {exc}", kind="server_error") from None
         return {
             "id": completion_id(), "object": "chat.completion", "created": int(time.time()),
             "model": self.server.model.name, "system_fingerprint": None,
@@ -304,7 +331,7 @@ class Handler(BaseHTTPRequestHandler):
             "usage": usage(done),
         }
 
-    def stream_completion(self, messages: list[dict], options: GenerationOptions, include_usage: bool) -> None:
+    def stream_completion(self, prompt: list[int], options: GenerationOptions, include_usage: bool) -> None:
         ident, created, name = completion_id(), int(time.time()), self.server.model.name
 
         def chunk(delta: dict, finish: str | None = None) -> dict:
@@ -319,18 +346,15 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")    # the body ends when the connection does
+        self.cors_headers()
         self.end_headers()
         self.close_connection = True
         self.send_event(chunk({"role": "assistant", "content": ""}))
         try:
-            done = self.server.model.complete(messages, options,
-                                              lambda text: self.send_event(chunk({"content": text})))
-        except (BrokenPipeError, ConnectionResetError):
-            raise
-        except Exception as exc:   # the status is sent already: the error goes out as an event, as OpenAI's do
-            if not isinstance(exc, MudpuppyError):
-                self.server.log(traceback.format_exc())
-            self.send_event(RequestError(500, f"Generation failed: {exc}", kind="server_error").body())
+            done = self.generate(prompt, options, lambda text: self.send_event(chunk({"content": text})))
+        except (GenerationFailed, RequestError) as exc:   # the status is sent already: the error is an event
+            message = exc.message if isinstance(exc, RequestError) else f"Generation failed: {exc}"
+            self.send_event(RequestError(500, message, kind="server_error").body())
             self.wfile.write(b"data: [DONE]\n\n")
             return
         self.send_event(chunk({}, done.finish_reason))

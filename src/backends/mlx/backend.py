@@ -280,6 +280,12 @@ class MlxBackend:
 
         stream_ids(self, handle, prompt, max_new_tokens, stop_ids, sampling, seed, on_token)
 
+    def open_decoder(self, handle: MlxModel):
+        """Continuous batching for `mudpuppy serve` (batch_decode.py)."""
+        from .batch_decode import open_decoder
+
+        return open_decoder(handle)
+
 
 @contextlib.contextmanager
 def eval_mode(model):

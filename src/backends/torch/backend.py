@@ -489,6 +489,12 @@ class TorchBackend:
 
         stream_ids(self, handle, prompt, max_new_tokens, stop_ids, sampling, seed, on_token)
 
+    def open_decoder(self, handle: TorchModel):
+        """Continuous batching for `mudpuppy serve` (batch_decode.py)."""
+        from .batch_decode import open_decoder
+
+        return open_decoder(self, handle)
+
     @_gathered
     def sequence_scores(self, handle: TorchModel, batch, grad: bool = True) -> torch.Tensor:
         self._require_head(handle, "sequence_classification")
