@@ -55,6 +55,9 @@ class AdapterConfig(_Strict):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     rslora: bool = False
+    train_router: bool = Field(
+        False, description="mixture-of-experts: the router (gate) of each expert layer trains in full, saved with the "
+                           "adapter; false keeps it frozen")
     quant_backend: Literal["int4", "mxfp4"] = Field(
         "int4", description="qlora: 4-bit format of the frozen base (int4 group-wise, or OCP MXFP4 blocks of 32)")
     quant_group_size: int | None = Field(

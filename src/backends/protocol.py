@@ -60,6 +60,22 @@ class AdapterInfo:
     total_params: int
     target_modules: list[str]
     quantization: str | None = None   # what quantize_base did, for QLoRA
+    # Per target group (attention, mlp, experts, router): {"params": its base weights, "adapted": how many of
+    # those carry an adapter or train, "trainable": the parameters that adapt them}. Empty where not counted.
+    groups: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def describe_groups(self) -> str:
+        """`; attention 25,600 (LoRA 1,024), experts 196,608 (LoRA 16,384), router 512 (frozen)`, or ''."""
+        parts = []
+        for name, counts in self.groups.items():
+            if not counts.get("adapted"):
+                how = "frozen"
+            elif self.kind == "none" or name == "router":
+                how = "trained in full" if counts["adapted"] >= counts["params"] else f"{counts['trainable']:,} trained"
+            else:
+                how = f"{self.kind} {counts['trainable']:,}"
+            parts.append(f"{name} {counts['params']:,} ({how})")
+        return "; " + ", ".join(parts) if parts else ""
 
 
 @runtime_checkable

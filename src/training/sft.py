@@ -48,7 +48,8 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         echo(f"before training: {_describe(before)}")
 
     info = backend.attach_adapter(handle, cfg.adapter)
-    echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters")
+    echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters"
+         f"{info.describe_groups()}")
     trainer = backend.create_trainer(handle, cfg.training)
     batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
     steps = total_steps_for(cfg, batcher)

@@ -20,11 +20,12 @@ import torch
 from ...distributed import is_placeholder, sum_step, whole
 from ...errors import MudpuppyError
 from ...quantization.qat import is_qat_checkpoint
-from ..adapters import choose_target_modules
+from ..adapters import choose_target_modules, choose_target_parameters
 from ..models import resolve_model
 from ..protocol import AdapterInfo, StepResult
 from . import logprobs
 from .attention import attention_kernels, packing_mask
+from .experts import warn_if_mostly_unadapted
 from .heads import head_inputs
 from .loading import compact_dtype, load_model_weights, storage_dtype
 from .frozen import FrozenLinear, compute_compact_embeddings
@@ -165,6 +166,7 @@ class TorchBackend:
         """Which linear layers of the base become frozen layers while loading (frozen.py), and how:
         4-bit (QLoRA), in host memory (memory.stream_layers), or stored in `compact` (a 16-bit
         checkpoint dtype the device does not compute in) and upcast per use."""
+        from .experts import find_moe, packed_parameter
         from .frozen import StoredLinear
         from .loading import FrozenPlan
         from .quantize import Linear4bit, find_quantizable_linears
@@ -186,6 +188,9 @@ class TorchBackend:
             layer.weight_dtype = dtype
             return layer
 
+        def build_experts(key, weight):
+            return packed_parameter(weight, adapter.quant_backend, adapter.quant_group_size)
+
         def plan(model) -> FrozenPlan:
             if not (quantize or stream or compact):
                 return FrozenPlan()
@@ -193,7 +198,9 @@ class TorchBackend:
             names = set(find_quantizable_linears(model, ("lm_head", *SCALAR_HEADS)))
             embedding = model.get_input_embeddings()
             keys = {f"{name}.weight" for name, m in model.named_modules() if m is embedding} if compact else set()
-            return FrozenPlan(names, build, keys, compact)
+            # QLoRA: a mixture-of-experts model's fused expert stacks (most of its weights) are 4-bit too.
+            experts = set(find_moe(model).parameter_keys()) if quantize else set()
+            return FrozenPlan(names, build, keys, compact, params=experts, build_param=build_experts)
 
         return plan
 
@@ -232,14 +239,19 @@ class TorchBackend:
 
     # ---------------------------------------------------------------- adapters
     def attach_adapter(self, handle: TorchModel, adapter_cfg) -> AdapterInfo:
+        from .experts import adapter_groups, base_weight_groups, find_moe, full_groups
+
         model = handle.model
         handle.adapter_type = adapter_cfg.type
+        # Mixture-of-experts: fused expert tensors and routers (experts.py); empty for a dense model.
+        layout = find_moe(_unwrap(model))
         if adapter_cfg.type == "none":
             for p in model.parameters():
                 p.requires_grad_(True)
             if handle.processor is not None and handle.freeze_vision:
                 freeze_vision_tower(model)
             targets: list[str] = []
+            groups = full_groups(_unwrap(model), layout)
         else:
             from peft import LoraConfig, get_peft_model
 
@@ -247,16 +259,30 @@ class TorchBackend:
 
             if adapter_cfg.type == "qlora":
                 quantization = self.quantize_base(handle, adapter_cfg)
+            base_counts = base_weight_groups(_unwrap(model), layout)
+            parameters: list[str] = []
             if handle.processor is not None:
                 targets, spec = lora_targets(model, adapter_cfg.target_modules, handle.freeze_vision,
                                              choose_target_modules)
             else:
-                targets = spec = self._target_modules(model, adapter_cfg.target_modules)
+                spec = self._target_modules(model, adapter_cfg.target_modules, layout)
+                parameters = choose_target_parameters(layout.target_names(), adapter_cfg.target_modules)
+                targets = spec + parameters
+            if parameters and (adapter_cfg.type == "dora" or adapter_cfg.dropout):
+                raise MudpuppyError(
+                    f"adapter: this model's experts are fused tensors ({', '.join(parameters)}), which PEFT adapts "
+                    f"without {'DoRA' if adapter_cfg.type == 'dora' else 'dropout'}; use adapter.type lora (or qlora) "
+                    "with adapter.dropout: 0, or list target_modules without the experts")
             task = HEADS[handle.head][2] if handle.head else "CAUSAL_LM"
+            routers = layout.router_names() if getattr(adapter_cfg, "train_router", False) else []
             config = LoraConfig(
                 r=adapter_cfg.r, lora_alpha=adapter_cfg.alpha, lora_dropout=adapter_cfg.dropout,
                 target_modules=spec, use_dora=adapter_cfg.type == "dora",
                 use_rslora=adapter_cfg.rslora, task_type=task,
+                # Fused expert tensors: one rank-r pair per expert (PEFT's lora.ParamWrapper).
+                target_parameters=parameters or None,
+                # The router trains in full when asked (adapter.train_router); PEFT saves it with the adapter.
+                modules_to_save=routers or None,
             )
             # PEFT reads each wrapped layer's weight only for its device and dtype, except DoRA (its norms).
             cheap = weight_reads_without_values() if adapter_cfg.type != "dora" else contextlib.nullcontext()
@@ -266,37 +292,44 @@ class TorchBackend:
                 _store_frozen_linears_in(_unwrap(model), handle.autocast_dtype)
             if getattr(adapter_cfg, "init_from", None):
                 start_from(model, adapter_cfg.init_from)
+            groups = adapter_groups(_unwrap(model), layout, base_counts)
+            warn_if_mostly_unadapted(groups)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # Frozen layers that keep their weight outside a parameter (4-bit, compact, streamed) count too.
         total = sum(p.numel() for p in model.parameters()) + sum(
             m.in_features * m.out_features for m in model.modules() if isinstance(m, FrozenLinear) and not m.tied)
         return AdapterInfo(adapter_cfg.type, trainable, total, targets,
-                           quantization if adapter_cfg.type == "qlora" else None)
+                           quantization if adapter_cfg.type == "qlora" else None, groups=groups)
 
     def quantize_base(self, handle: TorchModel, adapter_cfg) -> str:
         """Replace the base model's linear layers by our 4-bit ones (QLoRA); returns a one-line report.
 
         Deterministic, so a resumed run quantizes again and gets the same base.
         """
+        from .experts import quantize_experts, summarize_experts
         from .quantize import quantize_model, summarize_quantized
 
         loaded = summarize_quantized(handle.model)
         if loaded is not None:          # quantized while loading (load_model with a qlora adapter)
-            return loaded.summary() + ", while loading"
+            experts = summarize_experts(handle.model)
+            return loaded.summary() + (f"; {experts.summary()}" if experts.tensors else "") + ", while loading"
         # Output and scalar heads stay full precision: a reward model's new head trains in full.
         report = quantize_model(handle.model, adapter_cfg.quant_backend, adapter_cfg.quant_group_size,
                                 skip_modules=("lm_head", *SCALAR_HEADS))
-        return report.summary()
+        experts = quantize_experts(handle.model, adapter_cfg.quant_backend, adapter_cfg.quant_group_size)
+        return report.summary() + (f"; {experts.summary()}" if experts.tensors else "")
 
     @staticmethod
-    def _target_modules(model, wanted) -> list[str]:
+    def _target_modules(model, wanted, layout=None) -> list[str]:
         """Leaf names of the linear layers to adapt; the output head is never a target
-        (a new scalar head trains in full instead: PEFT's modules_to_save)."""
+        (a new scalar head trains in full instead: PEFT's modules_to_save), nor a router
+        that is a linear layer (adapter.train_router trains it in full)."""
         heads = {id(m) for m in (model.get_output_embeddings(), getattr(model, "score", None),
                                  getattr(model, "classifier", None)) if m is not None}
+        routers = set(layout.routers) if layout is not None else set()
         linear = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
-                  if isinstance(mod, torch.nn.Linear) and id(mod) not in heads}
-        return choose_target_modules(linear, wanted)
+                  if isinstance(mod, torch.nn.Linear) and id(mod) not in heads and name not in routers}
+        return choose_target_modules(linear, wanted, layout.target_names() if layout is not None else set())
 
     def save_adapter(self, handle: TorchModel, path: str) -> None:
         """The PEFT adapter; in a distributed run the same file a single process writes, from rank 0."""
@@ -440,19 +473,30 @@ class TorchBackend:
         return stack
 
     @_gathered
-    def loss_sum(self, handle: TorchModel, batch) -> tuple[torch.Tensor, int]:
+    def loss_sum(self, handle: TorchModel, batch, router_aux: bool = True) -> tuple[torch.Tensor, int]:
         """Summed cross-entropy over loss-carrying tokens, without full-vocab logits for the rest.
 
         Only positions with a target go through the output head, in chunks, so
         a chat example whose answer is 5 tokens costs 5 rows of logits, not T.
+
+        A mixture-of-experts model whose config sets ``output_router_logits`` adds its router's
+        load-balancing loss to its own loss (``router_aux_loss_coef`` times it, per batch); it is
+        added here once per loss token, so that the trainer's mean over tokens is the model's own
+        loss. `router_aux` False leaves it out (held-out loss and perplexity).
         """
+        from .experts import adds_router_aux_loss, router_aux_loss
+
         inputs, labels = self._tensors(batch, handle.model, processor=handle.processor)
         base = _unwrap(handle.model)
+        aux = router_aux and handle.head is None and handle.processor is None and adds_router_aux_loss(base)
+        record: dict = {}
+        if aux:
+            inputs = {**inputs, "output_router_logits": True}
         with self._autocast(handle):
             body = backbone(base) if handle.processor is not None else base.get_decoder()
             keep = labels != IGNORE_INDEX
             # The model's own head, post-head scaling or soft-capping included (heads.py).
-            hidden, head = head_inputs(base, body, inputs, keep)
+            hidden, head = head_inputs(base, body, inputs, keep, record)
             targets = labels[keep]
             total = hidden.new_zeros((), dtype=torch.float32)
             # At least one (possibly empty) chunk: a batch with no target still yields a loss with a
@@ -461,6 +505,13 @@ class TorchBackend:
                 logits = head(hidden[start : start + LOSS_CHUNK_TOKENS])
                 total = total + torch.nn.functional.cross_entropy(
                     logits, targets[start : start + LOSS_CHUNK_TOKENS], reduction="sum")
+        if aux and targets.numel():
+            # The model computes it with the attention mask it is given: the batch's own [B, T] mask
+            # (a packed batch's 4-D mask is for attention only).
+            mask = getattr(batch, "attention_mask", None)
+            mask = torch.as_tensor(mask, device=self.plan.device) if mask is not None and np.ndim(mask) == 2 else None
+            term = router_aux_loss(base, getattr(record.get("outputs"), "router_logits", None), mask)
+            total = total + term.to(total.device) * targets.numel()
         return total, int(targets.numel())
 
     @_gathered
@@ -517,7 +568,7 @@ class TorchBackend:
         handle.model.eval()
         total, count = 0.0, 0
         for batch in batches:
-            loss, n = self.loss_sum(handle, batch)
+            loss, n = self.loss_sum(handle, batch, router_aux=False)
             total += float(loss)
             count += n
         return total, count

@@ -294,23 +294,29 @@ def reads_hidden_states(node: ast.expr) -> bool:
 # ------------------------------------------------------------------ the rows the head runs on
 
 
-def head_inputs(model: nn.Module, body: Callable, inputs: dict, keep: torch.Tensor) -> tuple[torch.Tensor, Callable]:
+def head_inputs(model: nn.Module, body: Callable, inputs: dict, keep: torch.Tensor,
+                record: dict | None = None) -> tuple[torch.Tensor, Callable]:
     """(rows [N, ...], head) such that head(rows[i:j]) are the model's own float32 logits at the positions
     `keep` selects (row-major), a chunk at a time.
 
     Where the head is reproduced, rows are the decoder's hidden states at those positions. Otherwise
     the model's full forward runs with its logits kept at the columns that hold a target (every
     causal LM of transformers 5 takes `logits_to_keep` as a tensor of positions), and the rows are
-    those logits: exact for any family, at the cost of [B, columns, vocab] logits."""
+    those logits: exact for any family, at the cost of [B, columns, vocab] logits.
+
+    `record`, when given, receives the forward's output under "outputs" (a mixture-of-experts model's
+    router logits, asked for with ``output_router_logits`` in `inputs`)."""
+    record = {} if record is None else record
     head = output_head(model)
     if head is not None:
-        hidden = body(**inputs).last_hidden_state
-        return hidden[keep], head
+        record["outputs"] = out = body(**inputs)
+        return out.last_hidden_state[keep], head
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         columns = keep.any(dim=0).nonzero()[:, 0]
-        logits = model(**inputs, logits_to_keep=columns).logits
-        return logits[keep[:, columns]], as_float
-    return model(**inputs).logits[keep], as_float
+        record["outputs"] = out = model(**inputs, logits_to_keep=columns)
+        return out.logits[keep[:, columns]], as_float
+    record["outputs"] = out = model(**inputs)
+    return out.logits[keep], as_float
 
 
 def as_float(logits: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,8 @@ class FrozenPlan:
     compact_keys: set[str] = field(default_factory=set)   # other tensors kept in `compact_dtype`
     compact_dtype: torch.dtype | None = None
     as_stored: set[str] = field(default_factory=set)      # read in the checkpoint's own dtype (GPTQ scales)
+    params: set[str] = field(default_factory=set)          # other frozen tensors stored their own way (4-bit experts)
+    build_param: object = None    # (key, tensor at the storage dtype on the device) -> nn.Parameter replacing it
 
     def dtype_of(self, key: str, dtype: torch.dtype) -> torch.dtype | None:
         if key in self.as_stored:
@@ -223,6 +225,12 @@ def place_tensor(model, key: str, tensor: torch.Tensor, dtype, device, frozen: F
         bias = None if bias is None else cast(bias, dtype).to(device)
         model.set_submodule(module_name, frozen.build(module_name, tensor, bias))
         return
+    if key in frozen.params:
+        # A fused expert stack (QLoRA): quantized as it arrives, so the dense stack of one layer is the most
+        # that ever exists at once.
+        module = model.get_submodule(module_name)
+        module._parameters[leaf] = frozen.build_param(key, cast(tensor, dtype).to(device))
+        return
     set_tensor(model, key, cast(tensor, frozen.dtype_of(key, dtype)).to(device))
 
 
@@ -282,6 +290,10 @@ def load_pretrained_fallback(auto_class: str, directory: Path, dtype: torch.dtyp
         linear = model.get_submodule(name)
         model.set_submodule(name, frozen.build(name, linear.weight.data, linear.bias))
         del linear
+    for key in sorted(frozen.params):
+        module_name, _, leaf = key.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[leaf] = frozen.build_param(key, module._parameters[leaf].data)
     for key in frozen.compact_keys:
         set_tensor(model, key, cast(model.get_parameter(key).data, frozen.compact_dtype))
     for name in new_modules:          # a new head trains in full: fp32, as on the tensor-by-tensor path

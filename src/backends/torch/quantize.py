@@ -368,9 +368,12 @@ def describe_nothing_to_quantize(model: nn.Module, skip_modules) -> str:
 
 
 def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
-    """Replace each `Linear4bit` (and any other frozen layer) with an ``nn.Linear`` of its full weight;
-    see `frozen.densify_frozen_linears`. Returns the number of layers replaced."""
-    return densify_frozen_linears(model, dtype)
+    """Replace each `Linear4bit` (and any other frozen layer) with an ``nn.Linear`` of its full weight
+    (see `frozen.densify_frozen_linears`), and each 4-bit expert stack with a plain parameter
+    (`experts.densify_experts`). Returns the number of layers and stacks replaced."""
+    from .experts import densify_experts
+
+    return densify_frozen_linears(model, dtype) + densify_experts(model, dtype)
 
 
 __all__ = [

@@ -1,0 +1,233 @@
+"""Mixture-of-experts on the torch backends (issue 26, part 3).
+
+Tiny random Qwen3-MoE, Mixtral and gpt-oss (hidden 64, 2 layers, 4 experts, top-2), whose
+experts transformers 5 holds as fused 3-D tensors: `all-linear` reaches them through PEFT's
+target_parameters, the router stays frozen unless asked, the router's load-balancing loss is
+the model's own, QLoRA keeps them in 4 bits, and merging folds the expert LoRA into them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from mudpuppy import create_backend
+from mudpuppy.backends.torch.attention import choose_attention
+from mudpuppy.backends.torch.backend import TorchModel
+from mudpuppy.backends.torch.experts import PackedExperts
+from mudpuppy.backends.torch.quantize import dequantize_model
+from mudpuppy.config import AdapterConfig, ModelConfig
+from mudpuppy.data import Example, collate
+from mudpuppy.errors import MudpuppyError
+from tests.conftest import build_tokenizer
+
+VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+              pad_token_id=0, bos_token_id=0, eos_token_id=2, num_experts_per_tok=2, router_aux_loss_coef=0.5)
+FAMILIES = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=4, moe_intermediate_size=32)),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4)),
+    # YaRN's original length is 4096: the default positions keep transformers from warning about the factor.
+    "gpt_oss": (transformers.GptOssConfig, dict(num_local_experts=4, max_position_embeddings=131072, sliding_window=8,
+                                                layer_types=["sliding_attention", "full_attention"])),
+}
+EXPERTS = ["experts.down_proj", "experts.gate_up_proj"]
+
+
+def build(family: str, seed: int = 0, **extra):
+    config_class, own = FAMILIES[family]
+    config = config_class(**{**COMMON, **own, **extra})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=choose_attention("AutoModelForCausalLM", config)).eval()
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return create_backend("cpu", precision="fp32")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Each family saved as a checkpoint with the local tokenizer (Qwen3-MoE and Mixtral save their experts
+    one by one, so they load through transformers; gpt-oss saves them fused and loads tensor by tensor)."""
+    root = tmp_path_factory.mktemp("moe")
+    tokenizer = build_tokenizer(root / "tokenizer")
+    dirs = {}
+    for family in FAMILIES:
+        dirs[family] = root / family
+        build(family).save_pretrained(dirs[family])
+        tokenizer.save_pretrained(dirs[family])
+    return dirs
+
+
+def load(backend, model_dirs, family: str, **adapter):
+    cfg = AdapterConfig(**{"r": 4, "alpha": 8, **adapter})
+    handle = backend.load_model(ModelConfig(base_model=str(model_dirs[family])), precision="fp32", adapter=cfg)
+    return handle, backend.attach_adapter(handle, cfg)
+
+
+def examples(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        mask = np.ones(n, dtype=bool)
+        mask[: n // 3] = False
+        out.append(Example(rng.integers(3, VOCAB, n).astype(np.int32), mask))
+    return out
+
+
+def batch_of(lengths=(14, 9, 11), seed=0):
+    return collate(examples(lengths, seed), pad_id=0)
+
+
+def randomize_lora(model, seed=1):
+    """LoRA B starts at zero; a random B makes the adapter change the logits, so a test can see it."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+
+
+def expert_lora(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if "experts" in n and "lora_" in n}
+
+
+# ------------------------------------------------------------------ adapters reach the experts
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_all_linear_adapts_the_experts_and_they_learn(backend, model_dirs, family):
+    handle, info = load(backend, model_dirs, family)
+    assert set(EXPERTS) <= set(info.target_modules)
+    assert info.groups["experts"]["adapted"] == info.groups["experts"]["params"] > info.groups["attention"]["params"]
+    assert info.groups["router"]["adapted"] == 0                          # frozen by default
+    routers = [p for n, p in handle.model.named_parameters() if ".mlp.gate." in n or ".mlp.router." in n]
+    assert routers and not any(p.requires_grad for p in routers)
+    assert "experts" in info.describe_groups() and "router" in info.describe_groups()
+    lora = expert_lora(handle.model)
+    assert len(lora) == 2 * 2 * 2 and all(p.requires_grad for p in lora.values())   # 2 layers x 2 tensors x A, B
+    trainer = backend.create_trainer(handle, _training())
+    before = {n: p.detach().clone() for n, p in lora.items()}
+    trainer.step([batch_of()], lr=1e-2)
+    grads = {n: p.grad for n, p in lora.items()}
+    assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+    trainer.step([batch_of(seed=1)], lr=1e-2)
+    assert all(not torch.equal(before[n], p) for n, p in lora.items())   # A moves once B has
+
+
+def test_the_router_trains_when_asked(backend, model_dirs):
+    handle, info = load(backend, model_dirs, "gpt_oss", train_router=True)
+    assert info.groups["router"]["adapted"] == info.groups["router"]["params"]
+    trained = {n: p for n, p in handle.model.named_parameters() if "router" in n and p.requires_grad}
+    assert trained and all("modules_to_save" in n for n in trained)
+    trainer = backend.create_trainer(handle, _training())
+    trainer.step([batch_of()], lr=1e-2)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained.values())
+
+
+def test_attention_only_on_experts_warns_in_one_line(backend, model_dirs, caplog):
+    with caplog.at_level(logging.WARNING):
+        _, info = load(backend, model_dirs, "mixtral", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "adapter:" in r.getMessage()]
+    assert len(lines) == 1 and "experts" in lines[0] and "\n" not in lines[0]
+    assert info.groups["experts"]["adapted"] == 0
+    with pytest.raises(MudpuppyError, match="dropout"):
+        load(backend, model_dirs, "mixtral", dropout=0.1)
+    _, named = load(backend, model_dirs, "mixtral", target_modules=["q_proj", "experts.down_proj"])
+    assert named.target_modules == ["q_proj", "experts.down_proj"]
+
+
+# ------------------------------------------------------------------ the router's auxiliary loss
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_training_loss_is_the_models_own_with_the_router_aux_loss(backend, family):
+    model = build(family, output_router_logits=True)
+    handle = TorchModel(model, None, family)
+    batch = batch_of()
+    labels = torch.as_tensor(batch.labels)
+    assert (labels[:, -1] == -100).all()
+    shifted = torch.full_like(labels, -100)
+    shifted[:, 1:] = labels[:, :-1]          # transformers shifts its labels itself
+    with torch.no_grad():
+        theirs = model(input_ids=torch.as_tensor(batch.input_ids), attention_mask=torch.as_tensor(batch.attention_mask),
+                       labels=shifted)
+        total, n = backend.loss_sum(handle, batch)
+        plain, _ = backend.loss_sum(handle, batch, router_aux=False)
+    assert float(total) / n == pytest.approx(float(theirs.loss), abs=1e-5, rel=1e-5)
+    assert float(total - plain) / n == pytest.approx(0.5 * float(theirs.aux_loss), rel=1e-5)
+    assert float(total - plain) / n > 0.1                 # the term is really there
+
+
+# ------------------------------------------------------------------ QLoRA
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_qlora_keeps_experts_in_four_bits_and_trains_them(backend, model_dirs, family, tmp_path):
+    handle, info = load(backend, model_dirs, family, type="qlora")
+    stacks = [p for p in handle.model.parameters() if isinstance(p, PackedExperts)]
+    assert len(stacks) == 4 and "expert tensors" in info.quantization
+    held = sum(p.quantized_bytes() for p in stacks)
+    dense = sum(p.numel() * 4 for p in stacks)           # what fp32 stacks would hold
+    assert held / dense < 0.15                           # 4 bits a value plus a bf16 scale and min per 64
+    randomize_lora(handle.model)
+    batch = batch_of()
+    with torch.no_grad():
+        quantized_loss, _ = backend.loss_sum(handle, batch)
+    quantized_logits = backend.logits(handle, batch)
+    trainer = backend.create_trainer(handle, _training())
+    trainer.step([batch], lr=0.0)                        # gradients only: the weights stay as they are
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in expert_lora(handle.model).values())
+    # The loss QLoRA trains on is the dequantized model's, and the merge folds into exactly those weights.
+    assert dequantize_model(handle.model) > len(stacks)                # the 4-bit linears and the stacks
+    assert not any(isinstance(p, PackedExperts) for p in handle.model.parameters())
+    with torch.no_grad():
+        dense_loss, _ = backend.loss_sum(handle, batch)
+    assert float(dense_loss) == pytest.approx(float(quantized_loss), rel=1e-5)
+    backend.merge_and_save(handle, str(tmp_path / "merged"), dtype="float32")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    np.testing.assert_allclose(_logits(merged, batch), quantized_logits, atol=1e-5)
+
+
+# ------------------------------------------------------------------ merge and reload
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_merged_and_reloaded_logits_equal_the_adapters(backend, model_dirs, family, tmp_path):
+    from peft import PeftModel
+
+    handle, _ = load(backend, model_dirs, family, train_router=family == "qwen3_moe")
+    randomize_lora(handle.model)
+    batch = batch_of()
+    adapted = backend.logits(handle, batch)
+    backend.save_adapter(handle, str(tmp_path / "adapter"))
+    attention = handle.model.config._attn_implementation
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dirs[family], dtype=torch.float32,
+                                                             attn_implementation=attention)
+    assert np.abs(_logits(base, batch) - adapted).max() > 1e-3          # the adapter does change the logits
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    np.testing.assert_allclose(_logits(reloaded, batch), adapted, atol=1e-5)
+    backend.merge_and_save(handle, str(tmp_path / "merged"), dtype="float32")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                               attn_implementation=attention)
+    np.testing.assert_allclose(_logits(merged, batch), adapted, atol=1e-5)
+
+
+def _logits(model, batch) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(batch.input_ids),
+                     attention_mask=torch.as_tensor(batch.attention_mask)).logits.float().numpy()
+
+
+def _training():
+    from mudpuppy.config import TrainingConfig
+
+    return TrainingConfig(max_steps=2, micro_batch_size=3, learning_rate=1e-2, precision="fp32",
+                          gradient_checkpointing=False)
