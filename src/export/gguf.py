@@ -4,26 +4,28 @@ No llama.cpp build: the metadata, the vocabulary (gguf_vocab.py) and the tensors
 `gguf.GGUFWriter`, quantized with `gguf.quants.quantize` (numpy), following llama.cpp's
 convert_hf_to_gguf.py:
 
-    architectures   LlamaForCausalLM and MistralForCausalLM as "llama" (llama.cpp runs Mistral
-                    as llama), Qwen2ForCausalLM as "qwen2"; anything else is an error naming these
-    q/k layout      llama's q_proj/k_proj rows are permuted from Hugging Face's half-split rotary
-                    layout to the interleaved one llama.cpp computes with (qwen2 uses the same
-                    half-split "neox" rotation as Hugging Face: no permutation)
-    tensor types    1-D tensors and norms F32; the rest at --quant (f32, f16, bf16, q8_0, q4_0);
-                    a row length that is not a multiple of the 32-value block stays F16; in q4_0
-                    the output matrix (token_embd when tied) is Q8_0, where llama-quantize
+    families        one row each in gguf_families.FAMILIES (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
+                    Mixtral, Gemma 2, Gemma 3, Phi-3, Granite, OLMo 2, gpt-oss): the llama.cpp arch,
+                    the transforms (q/k permutation, Gemma's norm + 1, expert stacking) and the
+                    metadata keys; anything else, or a config the arch's graph would compute
+                    differently, is refused naming the family and what to use instead
+    tensor names    gguf's own TensorNameMap for the arch, never written here
+    tensor types    1-D tensors, norms and routers F32; the rest at --quant (f32, f16, bf16, q8_0,
+                    q4_0); a row length that is not a multiple of the 32-value block stays F16; in
+                    q4_0 the output matrix (token_embd when tied) is Q8_0, where llama-quantize
                     would pick Q6_K (Q8_0 for rows not a multiple of 256), which gguf cannot write
     K-quants        q4_k_m, q5_k_m, q6_k, ...: the f16 file is handed to an installed
                     `llama-quantize` found on PATH; without one, a clear error
 
 Tensors are streamed: the header is written from the safetensors headers, then each tensor is
-read, converted and written in turn, so only one tensor is ever held in memory.
+read, converted and written in turn, so only one tensor (one layer's experts) is held in memory.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import MudpuppyError
+from .gguf_families import FAMILIES, Family, head_dim, problems_of, rope_parameters
 from .gguf_vocab import Vocab, build_vocab
 from .tensors import StoredTensor, model_tensors
 
@@ -41,19 +44,6 @@ K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", 
 LLAMA_QUANTIZE = "llama-quantize"
 
 
-@dataclass(frozen=True)
-class Family:
-    arch: str               # gguf.MODEL_ARCH member name
-    permute_qk: bool        # llama's rotary layout differs from Hugging Face's
-    biases: bool            # q/k/v biases allowed (qwen2)
-
-
-FAMILIES = {
-    "LlamaForCausalLM": Family("LLAMA", permute_qk=True, biases=False),
-    "MistralForCausalLM": Family("LLAMA", permute_qk=True, biases=False),
-    "Qwen2ForCausalLM": Family("QWEN2", permute_qk=False, biases=True),
-}
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def supported_architectures() -> str:
@@ -84,40 +74,20 @@ def check_k_quant_tool(quant: str) -> str | None:
 # --------------------------------------------------------------------------- architecture
 
 def family_of(config: dict, where: str) -> Family:
+    """The family row for `config`, or one error naming the family and what to export instead."""
     archs = config.get("architectures") or []
-    family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
-    if family is None:
+    arch = next((a for a in archs if a in FAMILIES), None)
+    if arch is None:
         named = ", ".join(archs) or f"model_type {config.get('model_type')!r}"
         raise MudpuppyError(f"{where}: {named} cannot be written as GGUF here; supported architectures: "
-                            f"{supported_architectures()} (export --format merged or mlx works for any causal LM)")
-    problems = []
-    if config.get("mlp_bias"):
-        problems.append("mlp_bias: true")
-    if config.get("attention_bias") and not family.biases:
-        problems.append("attention_bias: true")
-    if config.get("use_sliding_window"):
-        problems.append("use_sliding_window: true")
-    if config.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act: {config.get('hidden_act')}")
-    rope = rope_parameters(config)
-    if rope["type"] not in ROPE_TYPES:
-        problems.append(f"rope scaling {rope['type']!r} (written here: {', '.join(ROPE_TYPES)})")
+                            f"{supported_architectures()}. Use --format merged (safetensors, for llama.cpp's own "
+                            "convert_hf_to_gguf.py or any other reader) or --format mlx instead")
+    problems = problems_of(FAMILIES[arch], config)
     if problems:
-        raise MudpuppyError(f"{where}: this {archs[0]} uses {'; '.join(problems)}, which the GGUF writer does not "
-                            "map; export --format merged or mlx instead")
-    return family
-
-
-def rope_parameters(config: dict) -> dict:
-    """rope_theta and scaling from transformers 5's rope_parameters or the older top-level keys."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
-    kind = params.get("rope_type") or params.get("type") or "default"
-    return {**params, "type": kind, "theta": float(theta)}
-
-
-def head_dim(config: dict) -> int:
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        raise MudpuppyError(f"{where}: this {arch} uses {'; '.join(problems)}, which llama.cpp's "
+                            f"{FAMILIES[arch].arch.lower()} graph would compute differently, so the GGUF would "
+                            "not be the same model. Use --format merged or --format mlx instead")
+    return FAMILIES[arch]
 
 
 def permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -176,10 +146,10 @@ class Planned:
 
 
 def tensor_type(name: str, shape: tuple[int, ...], quant: str, output: bool):
-    """llama.cpp's choice: norms and 1-D tensors F32, a row that does not fill whole blocks F16."""
+    """llama.cpp's choice: norms, routers and 1-D tensors F32, a row that does not fill whole blocks F16."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-    if len(shape) <= 1 or name.endswith("_norm.weight"):
+    if len(shape) <= 1 or name.endswith("_norm.weight") or ".ffn_gate_inp." in name or not name.endswith(".weight"):
         return T.F32
     qtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}[quant]
     if qtype == T.Q4_0 and output:
@@ -189,47 +159,146 @@ def tensor_type(name: str, shape: tuple[int, ...], quant: str, output: bool):
     return qtype
 
 
+@dataclass
+class Source:
+    """One tensor as Hugging Face names it once experts are stacked: its shape and a float32 loader."""
+    shape: tuple[int, ...]
+    load: Callable[[], np.ndarray]
+
+
+PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?(?:\.weight)?$")
+
+
+def source_tensors(config: dict, family: Family, stored: dict[str, StoredTensor], where: str) -> dict[str, Source]:
+    """`stored` under the names gguf's TensorNameMap knows: per-expert matrices stacked into
+    `...experts.<proj>.weight` [E, out, in], transformers 5's fused expert tensors split into gate and
+    up (in the family's layout), and gpt-oss's bare `sinks` given their `.weight`."""
+    out: dict[str, Source] = {}
+    groups: dict[tuple[str, str], dict[int, StoredTensor]] = {}
+    for key, tensor in stored.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if key.endswith(("_blocks", "_scales")):
+            raise MudpuppyError(f"{where}: {key} is an MXFP4-packed expert tensor; export the bf16 checkpoint "
+                                "(or a merged export of this one) to GGUF")
+        if (m := PER_EXPERT.match(key)) and family.experts:
+            groups.setdefault((m["prefix"], m["proj"]), {})[int(m["expert"])] = tensor
+        elif (m := FUSED.match(key)) and family.experts:
+            out.update(split_fused(m["prefix"], m["proj"], bool(m["bias"]), tensor, family.experts))
+        elif key.endswith(".sinks"):
+            out[key + ".weight"] = Source(tensor.shape, tensor.float32)
+        else:
+            out[key] = Source(tensor.shape, tensor.float32)
+    count = _expert_count(config)
+    for (prefix, proj), by_index in groups.items():
+        if sorted(by_index) != list(range(count)):
+            raise MudpuppyError(f"{where}: {prefix}.*.{proj} holds experts {sorted(by_index)}, config.json "
+                                f"says {count}")
+        parts = [by_index[i] for i in range(count)]
+        out[f"{prefix}.{proj}.weight"] = Source((count, *parts[0].shape),
+                                                lambda parts=parts: np.stack([t.float32() for t in parts]))
+    return out
+
+
+def _expert_count(config: dict) -> int:
+    return int(config.get("num_local_experts") or config.get("num_experts") or 0)
+
+
+def split_fused(prefix: str, proj: str, bias: bool, tensor: StoredTensor, layout: str) -> dict[str, Source]:
+    """transformers 5's fused experts as llama.cpp's stacked [E, out, in] gate / up / down.
+    "halves": gate_up_proj [E, 2F, H], gate rows then up rows (Qwen3-MoE, Mixtral: `.chunk(2)`);
+    down_proj [E, H, F] already (out, in). "interleaved": gpt-oss's gate_up_proj [E, H, 2F] is
+    (in, out) with gate and up in alternate columns (`[..., ::2]`, `[..., 1::2]`), down_proj
+    [E, F, H] (in, out), and both have biases alike."""
+    suffix = ".bias" if bias else ".weight"
+    in_out = layout == "interleaved" and not bias
+
+    def oriented() -> np.ndarray:
+        values = tensor.float32()
+        return values.swapaxes(-1, -2) if in_out else values
+
+    shape = tensor.shape[:-2] + tensor.shape[:-3:-1] if in_out else tensor.shape
+    if proj == "down_proj":
+        return {f"{prefix}.down_proj{suffix}": Source(tuple(shape), oriented)}
+    axis = len(shape) - (1 if bias else 2)          # the 2F axis
+    half = shape[axis] // 2
+    if layout == "interleaved":
+        picks = (slice(0, None, 2), slice(1, None, 2))
+    else:
+        picks = (slice(0, half), slice(half, None))
+    half_shape = tuple(half if i == axis else n for i, n in enumerate(shape))
+    out = {}
+    for name, pick in zip(("gate_proj", "up_proj"), picks):
+        index = (slice(None),) * axis + (pick,)
+        out[f"{prefix}.{name}{suffix}"] = Source(half_shape,
+                                                 lambda index=index: np.ascontiguousarray(oriented()[index]))
+    return out
+
+
 def plan_tensors(config: dict, family: Family, stored: dict[str, StoredTensor], quant: str,
                  where: str) -> list[Planned]:
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, family.arch)
-    n_layers = int(config["num_hidden_layers"])
-    names = gguf.get_tensor_name_map(arch, n_layers)
+    names = gguf.get_tensor_name_map(arch, int(config["num_hidden_layers"]))
     tied = bool(config.get("tie_word_embeddings", False))
-    n_head = int(config["num_attention_heads"])
-    n_kv = int(config.get("num_key_value_heads") or n_head)
+    heads = {"attn_q": int(config["num_attention_heads"]),
+             "attn_k": int(config.get("num_key_value_heads") or config["num_attention_heads"])}
     if not tied and "lm_head.weight" not in stored:
         raise MudpuppyError(f"{where}: config.json says the output head is not tied to the embedding, "
                             "but there is no lm_head.weight")
     plan, unmapped = [], []
-    for key, tensor in stored.items():
-        if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
+    for key, src in source_tensors(config, family, stored, where).items():
+        if tied and key == "lm_head.weight":
             continue
         target = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if target is None:
             unmapped.append(key)
             continue
-        heads = n_head if ".q_proj." in key else n_kv if ".k_proj." in key else None
-        load = _loader(tensor, heads if family.permute_qk else None)
-        output = target == "output.weight" or (tied and target == "token_embd.weight")
-        plan.append(Planned(target, tensor.shape, tensor_type(target, tensor.shape, quant, output), load))
+        kind = target.split(".")[-2]
+        rows = heads.get(kind) if family.permute_qk else None
+        shift = family.norm_shift if target.endswith("norm.weight") else 0.0
+        output = target == "output.weight" or (tied and target == "token_embd.weight" and family.output != "required")
+        plan.append(Planned(target, src.shape, tensor_type(target, src.shape, quant, output),
+                            _transformed(src.load, rows, shift)))
+        if tied and family.output == "required" and target == "token_embd.weight":
+            plan.append(Planned("output.weight", src.shape, tensor_type("output.weight", src.shape, quant, True),
+                                src.load))
     if unmapped:
         raise MudpuppyError(f"{where}: tensors with no GGUF name for {family.arch.lower()}: "
                             f"{', '.join(unmapped[:5])}{' ...' if len(unmapped) > 5 else ''}")
-    if rope_parameters(config)["type"] == "llama3":
-        factors = llama3_rope_factors(config)
-        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-        plan.append(Planned(name, factors.shape, gguf.GGMLQuantizationType.F32, lambda f=factors: f))
+    plan += extra_tensors(config, family)
     return plan
 
 
-def _loader(tensor: StoredTensor, heads: int | None) -> Callable[[], np.ndarray]:
-    def load() -> np.ndarray:
-        values = tensor.float32()
-        return permute_rotary(values, heads) if heads else values
-    return load
+def _transformed(load: Callable[[], np.ndarray], rows: int | None, shift: float) -> Callable[[], np.ndarray]:
+    def value() -> np.ndarray:
+        values = load()
+        if rows:
+            values = permute_rotary(values, rows)
+        return values + np.float32(shift) if shift else values
+    return value
 
+
+def extra_tensors(config: dict, family: Family) -> list[Planned]:
+    """Tensors llama.cpp wants that the checkpoint does not hold: rope frequency factors."""
+    import gguf
+
+    F32 = gguf.GGMLQuantizationType.F32
+    rope = rope_parameters(config)
+    named = lambda t: gguf.TENSOR_NAMES[t] + ".weight"    # noqa: E731
+    if rope["type"] == "llama3":
+        factors = llama3_rope_factors(config)
+        return [Planned(named(gguf.MODEL_TENSOR.ROPE_FREQS), factors.shape, F32, lambda f=factors: f)]
+    if rope["type"] == "longrope":          # Phi3MiniModel.generate_extra_tensors
+        out = []
+        for key, tensor in (("long_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
+                            ("short_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)):
+            factors = np.asarray(rope[key], dtype=np.float32)
+            out.append(Planned(named(tensor), factors.shape, F32, lambda f=factors: f))
+        return out
+    return []
 
 # --------------------------------------------------------------------------- writing
 
@@ -268,7 +337,8 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
     for p in plan:
         types[p.qtype.name] = types.get(p.qtype.name, 0) + 1
     return {"file": path.name, "architecture": gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)],
-            "quant": quant, "tensor_types": types if not tool else {"written by llama-quantize": quant.upper()},
+            "notes": list(family.notes), "quant": quant,
+            "tensor_types": types if not tool else {"written by llama-quantize": quant.upper()},
             "tokenizer": vocab.describe(), "special_ids": vocab.special_ids,
             "add_bos": vocab.add_bos, "bytes": path.stat().st_size}
 
@@ -278,6 +348,8 @@ FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_
 
 
 def add_model_metadata(writer, config: dict, family: Family, quant: str, name: str) -> None:
+    """The keys every llama.cpp loader reads (llama_model_base::load_hparams), the rope scaling, then
+    the family's own (gguf_families: experts, windows, soft-capping, Granite's scales...)."""
     import gguf
 
     rope = rope_parameters(config)
@@ -292,17 +364,38 @@ def add_model_metadata(writer, config: dict, family: Family, quant: str, name: s
     writer.add_rope_freq_base(rope["theta"])
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(int(config["vocab_size"]))
-    dim = head_dim(config)
-    if family.arch == "LLAMA":
-        writer.add_rope_dimension_count(dim)
-    if dim != config["hidden_size"] // config["num_attention_heads"]:
-        writer.add_key_length(dim)
-        writer.add_value_length(dim)
+    writer.add_key_length(head_dim(config))
+    writer.add_value_length(head_dim(config))
+    add_rope_scaling(writer, config, rope)
+    for add in family.keys:
+        add(writer, config)
+    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[quant]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def add_rope_scaling(writer, config: dict, rope: dict) -> None:
+    """As TextModel.set_gguf_parameters (linear, yarn) and Phi3MiniModel (longrope: the factors are
+    tensors, see extra_tensors); llama3 is the rope_freqs tensor alone."""
+    import gguf
+
     if rope["type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
-    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[quant]))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    elif rope["type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
+                         ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(float(rope[key]))
+    elif rope["type"] == "longrope":
+        original = int(rope.get("original_max_position_embeddings") or config["original_max_position_embeddings"])
+        scale = config["max_position_embeddings"] / original
+        factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        writer.add_rope_scaling_attn_factors(float(rope.get("attention_factor") or factor))
 
 
 def add_vocab(writer, vocab: Vocab) -> None:

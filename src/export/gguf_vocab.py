@@ -4,7 +4,7 @@ Written from the tokenizer the model was trained with (its `tokenizer.json`, as 
 fast tokenizer holds it), under llama.cpp's keys, the way llama.cpp's
 convert_hf_to_gguf.py writes them:
 
-    byte-level BPE (GPT-2 style: SmolLM2, Llama 3, Qwen2)  tokenizer.ggml.model = "gpt2"
+    byte-level BPE (GPT-2 style: SmolLM2, Llama 3, Qwen2/3, gpt-oss)  tokenizer.ggml.model = "gpt2"
         tokens in their byte-level spelling, merges, and `tokenizer.ggml.pre`, the
         pre-tokenizer llama.cpp must split text with. llama.cpp identifies it by hashing
         a tokenization; here it is read from the tokenizer's own description, and a
@@ -31,9 +31,15 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLIT_PRE = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2"}
+# o200k (GPT-4o, gpt-oss): the regex llama-vocab.cpp quotes as "original regex from tokenizer.json"
+GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+               r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PRE = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2", GPT4O_SPLIT: "gpt-4o"}
 KNOWN_PRE = ("gpt-2 (a plain ByteLevel pre-tokenizer)", "smollm (digits split one by one, then ByteLevel)",
-             "llama-bpe (Llama 3's split regex)", "qwen2 (Qwen2's split regex)")
+             "llama-bpe (Llama 3's split regex)", "qwen2 (Qwen2 and Qwen3's split regex)",
+             "gpt-4o (the o200k split regex of GPT-4o and gpt-oss)")
 
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
