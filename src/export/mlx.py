@@ -1,5 +1,9 @@
 """MLX: an mlx-lm model directory, made by mlx-lm's own converter (`mlx_lm.convert`) from the merged
-model, optionally quantized by it (q4, q8: mlx-lm's affine quantization, groups of 64)."""
+model, optionally quantized by it (q4, q8: mlx-lm's affine quantization, groups of 64).
+
+The merged directory is first brought to what mlx-lm reads (backends/mlx/families.py: the config
+keys transformers 5 moved, gpt-oss's expert tensors), so `mlx_lm.load` of the export computes what
+the MLX backend computes; a family the installed mlx-lm lacks is refused by name (`check_family`)."""
 
 from __future__ import annotations
 
@@ -34,9 +38,21 @@ def require_mlx_lm():
     return convert
 
 
+def check_family(config: dict, where: str) -> None:
+    """Refuse, before anything loads, a model family mlx-lm lacks or computes differently (exit 2)."""
+    require_mlx_lm()
+    from ..backends.mlx.families import check_family as check
+
+    check(config, where)
+
+
 def convert_to_mlx(model_dir: Path, out_dir: Path, dtype: str, quant: str | None) -> dict:
-    """mlx_lm.convert of `model_dir` into `out_dir` (which must not exist yet)."""
+    """mlx_lm.convert of `model_dir` (a scratch merge: rewritten in place for mlx-lm first) into
+    `out_dir` (which must not exist yet)."""
     convert = require_mlx_lm()
+    from ..backends.mlx.families import prepare_directory
+
+    notes = prepare_directory(Path(model_dir))
     bits = QUANTS[quant] if quant else None
     log = io.StringIO()
     with contextlib.redirect_stdout(log):     # its "[INFO] ..." lines; ours say what happened
@@ -44,5 +60,8 @@ def convert_to_mlx(model_dir: Path, out_dir: Path, dtype: str, quant: str | None
                 q_group_size=GROUP_SIZE if bits else None, dtype=DTYPES[dtype])
     config = json.loads((Path(out_dir) / "config.json").read_text(encoding="utf-8"))
     quantization = config.get("quantization")
-    return {"dtype": DTYPES[dtype], "quantization": quantization,
-            "bytes": sum(f.stat().st_size for f in Path(out_dir).glob("*.safetensors"))}
+    record = {"dtype": DTYPES[dtype], "quantization": quantization,
+              "bytes": sum(f.stat().st_size for f in Path(out_dir).glob("*.safetensors"))}
+    if notes:
+        record["notes"] = notes
+    return record

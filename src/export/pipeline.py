@@ -135,7 +135,7 @@ def preflight(src: ExportSource, fmt: str, quant: str | None, tokenizer) -> Turn
         except LayoutError:
             return None
     if fmt == "mlx":
-        mlx_format.require_mlx_lm()
+        mlx_format.check_family(config, where)       # a family mlx-lm lacks: refused before the merge
     return None
 
 

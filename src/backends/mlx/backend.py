@@ -30,6 +30,7 @@ from .layers import (
     merge_adapters,
     wrap_linears,
 )
+from .families import check_expert_targets
 from .loading import DTYPES, HEAD_NAME, MlxModel, count_parameters, frozen_base, head_config, load_model
 from .ops import MlxOps
 from .quantize import quant_format, quantize_base
@@ -119,6 +120,7 @@ class MlxBackend:
                 # The frozen base (already so when load_model knew the adapter); adapter weights below are
                 # created in fp32, and a scalar head, trained in full, stays fp32 as PEFT's modules_to_save.
                 frozen_base(model, handle.head).set_dtype(mx.bfloat16)
+            check_expert_targets(model, handle.config, adapter_cfg.target_modules)
             leaves = self._target_modules(model, adapter_cfg.target_modules)
             paths = sorted(p for p in linear_layers(model) if p.rsplit(".", 1)[-1] in leaves)
             scale = adapter_cfg.alpha / (adapter_cfg.r ** 0.5 if adapter_cfg.rslora else adapter_cfg.r)

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 
 from ...errors import MudpuppyError
 from ..models import patch_rope_theta, resolve_model
+from .families import check_family, config_overrides, model_classes, restore_windows
 from .quantize import quant_format, quantize_base
 
 DTYPES = {"auto": mx.float32, "float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -90,24 +91,28 @@ def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None, ad
     kind = getattr(adapter, "type", None)
     quant = quant_format(adapter) if kind == "qlora" else None   # likewise a refused 4-bit format
     resolved = resolve_model(model_cfg.base_model, model_cfg.revision, model_cfg.trust_remote_code)
-    config = patch_rope_theta(json.loads((Path(resolved.path) / "config.json").read_text()))
+    raw = json.loads((Path(resolved.path) / "config.json").read_text())
+    check_family(raw, f"model.base_model {model_cfg.base_model!r}")   # before any weight loads
+    config = patch_rope_theta(raw)
     quantized = (config.get("quantization_config") or {}).get("quant_method")
     if quantized in ("gptq", "mudpuppy_qat") and "quantization" not in config:
         # The two formats mudpuppy writes on torch; mlx-lm has no reader for either (its own
         # "quantization" key aside), so their codes would load as missing weights.
         raise MudpuppyError(f"model.base_model {model_cfg.base_model!r} holds {quantized} weights, which the mlx "
                             "backend cannot read; use a torch backend, or `mudpuppy export --format mlx` of it first")
-    # rope_theta (and rope_scaling) passed explicitly: mlx-lm reads only the top-level
-    # keys, which transformers 5 no longer writes, and would silently fall back to 10000.
-    overrides = {k: config[k] for k in ("rope_theta", "rope_scaling") if k in config}
+    # The keys mlx-lm reads where transformers 5 writes them elsewhere (families.py): rope_theta above
+    # all, without which mlx-lm silently falls back to 10000.
+    overrides = config_overrides(raw)
     # Older mlx-lm releases take no trust_remote_code (they never run custom model code).
     remote = ({"trust_remote_code": model_cfg.trust_remote_code}
               if "trust_remote_code" in inspect.signature(mlx_load_model).parameters else {})
     try:
-        model, _ = mlx_load_model(Path(resolved.path), lazy=True, model_config=overrides, **remote)
+        model, _ = mlx_load_model(Path(resolved.path), lazy=True, model_config=overrides,
+                                  get_model_classes=model_classes, **remote)
     except ValueError as exc:
         raise MudpuppyError(f"model.base_model {model_cfg.base_model!r}: mlx-lm cannot build it ({exc}); "
                             "use a torch backend for this architecture") from None
+    restore_windows(model, raw)     # sliding windows mlx-lm leaves out (Gemma 2, Mistral, Phi-3...)
     if head is not None:
         model = with_score_head(model, config, head)
     # Storage, queued like everything until materialize(): model.dtype (auto: fp32, the master weights
