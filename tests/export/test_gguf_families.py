@@ -49,12 +49,14 @@ FAMILIES = {
 READ_BACK = ("qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
 
 
-def build(family: str, path):
+def build(family: str, path, **extra):
+    """The tiny model of `family` saved to `path`; `extra`: config options beyond FAMILIES'."""
     import torch
     import transformers
 
     tok = build_tokenizer(path)
     cls, options = FAMILIES[family]
+    options = {**options, **extra}
     config = getattr(transformers, cls)(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
