@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import MudpuppyError
-from .gguf_families import FAMILIES, Family, head_dim, problems_of, rope_parameters
+from .gguf_families import FAMILIES, Family, head_dim, notes_of, problems_of, rope_parameters
 from .gguf_vocab import Vocab, build_vocab
 from .tensors import StoredTensor, model_tensors
 
@@ -337,7 +337,7 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
     for p in plan:
         types[p.qtype.name] = types.get(p.qtype.name, 0) + 1
     return {"file": path.name, "architecture": gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)],
-            "notes": list(family.notes), "quant": quant,
+            "notes": notes_of(family, config), "quant": quant,
             "tensor_types": types if not tool else {"written by llama-quantize": quant.upper()},
             "tokenizer": vocab.describe(), "special_ids": vocab.special_ids,
             "add_bos": vocab.add_bos, "bytes": path.stat().st_size}

@@ -172,6 +172,16 @@ def no_sliding_window(c: Config) -> str | None:
     return None
 
 
+def window_ignored(c: Config) -> str | None:
+    """Mistral and Mixtral set a plain sliding_window that their llama.cpp arch (llama) cannot hold:
+    llama.cpp's own converter drops it too, so the export goes on, saying where answers start to differ."""
+    window = c.get("sliding_window")
+    if window and not c.get("use_sliding_window") and int(window) < int(c.get("max_position_embeddings") or 2**31):
+        return (f"llama.cpp runs this model as llama, without its sliding window of {window} tokens: past {window} "
+                "tokens of context its attention differs from Hugging Face's (as with llama.cpp's own converter)")
+    return None
+
+
 def gpt_oss_swiglu(c: Config) -> str | None:
     alpha, limit = float(c.get("swiglu_alpha", 1.702)), float(c.get("swiglu_limit", 7.0))
     if not (math.isclose(alpha, 1.702) and math.isclose(limit, 7.0)):
@@ -199,11 +209,12 @@ class Family:
     rope: tuple[str, ...] = ("default",)          # rope_type values written exactly
     keys: tuple[Callable, ...] = ()               # metadata writers beyond the common ones
     checks: tuple[Callable, ...] = ()             # config -> problem | None
-    notes: tuple[str, ...] = ()                   # what differs, said in export.json
+    notes: tuple[str, ...] = ()                   # what differs, said at export and in export.json
+    note_checks: tuple[Callable, ...] = ()        # config -> what differs for this config | None
 
 
 LLAMA = Family("LLAMA", permute_qk=True, rope=("default", "linear", "llama3"), keys=(rope_dims,),
-               checks=(no_sliding_window,))
+               checks=(no_sliding_window,), note_checks=(window_ignored,))
 GEMMA_ACT = "gelu_pytorch_tanh"
 
 FAMILIES: dict[str, Family] = {
@@ -215,7 +226,8 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family("QWEN3MOE", experts="halves", rope=("default", "linear", "yarn"),
                                   keys=(experts, moe_feed_forward), checks=(qwen3_moe_routing,)),
     "MixtralForCausalLM": Family("LLAMA", permute_qk=True, experts="halves", rope=("default", "linear"),
-                                 keys=(rope_dims, experts), checks=(no_sliding_window,)),
+                                 keys=(rope_dims, experts), checks=(no_sliding_window,),
+                                 note_checks=(window_ignored,)),
     "Gemma2ForCausalLM": Family("GEMMA2", norm_shift=1.0, output="tied", act=GEMMA_ACT,
                                 keys=(softcapping, sliding_window), checks=(gemma_attention_scale, gemma2_softcaps)),
     "Gemma3ForCausalLM": Family("GEMMA3", norm_shift=1.0, act=GEMMA_ACT, rope=("default", "linear"),
@@ -237,6 +249,12 @@ FAMILIES: dict[str, Family] = {
                                        "angles differ slightly in the blended band, as with llama.cpp's own "
                                        "converter",)),
 }
+
+def notes_of(family: Family, config: Config) -> list[str]:
+    """What the GGUF computes differently from the source model, exported anyway (as llama.cpp's converter
+    does) and said: at export and in export.json."""
+    return [*family.notes, *filter(None, (check(config) for check in family.note_checks))]
+
 
 def problems_of(family: Family, config: Config) -> list[str]:
     """Everything in `config` this family's llama.cpp graph would compute differently."""

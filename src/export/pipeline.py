@@ -163,6 +163,8 @@ def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, s
     echo(f"writing {name}")
     record = {"gguf": gguf_format.write_gguf(model_dir, tokenizer, tokenizer.chat_template, quant,
                                              staging / name, src.name, end_of_turn_id(tokenizer, layout))}
+    for note in record["gguf"]["notes"]:
+        echo(f"note: {note}")
     if fmt == "ollama":
         from .ollama import modelfile, sampling_parameters, stop_words
 
