@@ -529,16 +529,38 @@ def load_config(
 
     vision = cfg.model.vision is True or (check_files and is_vision_model(cfg.model))
     issues.extend(Issue(where, what) for where, what in vision_problems(cfg, vision))
-    if check_files and cfg.data.packing:        # refused by family before any weight loads (data/packing.py)
-        from .data.packing import packing_problem
-        from .data.vision import model_config_json
-
-        problem = packing_problem(model_config_json(cfg.model.base_model, cfg.model.revision))
-        if problem:
-            issues.append(Issue("data.packing", problem))
+    if check_files:                             # refused by family before any weight loads
+        issues.extend(_family_issues(cfg))
     if issues:
         raise ConfigError(origin, [str(i) for i in issues])
     return cfg
+
+
+def _family_issues(cfg: RunConfig) -> list[Issue]:
+    """What the base model's family cannot do exactly, read from its config.json (when it is on this machine):
+    packing across recurrent or chunked layers (data/packing.py), DoRA or dropout on fused experts."""
+    from .data.packing import packing_problem
+    from .data.vision import model_config_json
+
+    config = model_config_json(cfg.model.base_model, cfg.model.revision)
+    if not config:
+        return []
+    issues = []
+    problem = packing_problem(config) if cfg.data.packing else None
+    if problem:
+        issues.append(Issue("data.packing", problem))
+    text = config.get("text_config") or config
+    experts = text.get("num_local_experts") or text.get("num_experts") or 0
+    targets = cfg.adapter.target_modules
+    reaches = targets == "all-linear" or (isinstance(targets, list) and any("experts" in t for t in targets))
+    if cfg.adapter.type != "none" and isinstance(experts, int) and experts > 1 and reaches:
+        family = text.get("model_type") or config.get("model_type") or "this model"
+        what = "adapter.type" if cfg.adapter.type == "dora" else "adapter.dropout" if cfg.adapter.dropout else None
+        if what:
+            issues.append(Issue(what, f"{family} holds its {experts} experts as fused tensors, which PEFT adapts "
+                                      f"without {'DoRA' if what == 'adapter.type' else 'dropout'}; use adapter.type "
+                                      "lora (or qlora) with adapter.dropout: 0, or target_modules without the experts"))
+    return issues
 
 
 def read_source(source: str | os.PathLike | dict, overrides) -> tuple[dict, str, str | None, list[Issue]]:

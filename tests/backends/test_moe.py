@@ -231,3 +231,19 @@ def _training():
 
     return TrainingConfig(max_steps=2, micro_batch_size=3, learning_rate=1e-2, precision="fp32",
                           gradient_checkpointing=False)
+
+
+def test_dora_or_dropout_on_fused_experts_is_refused_before_loading(model_dirs, tiny_config):
+    """load_config reads the base's config.json: the refusal names the family, before any weight loads."""
+    from mudpuppy import load_config
+    from mudpuppy.errors import ConfigError
+
+    tiny_config["model"]["base_model"] = str(model_dirs["mixtral"])
+    tiny_config["adapter"].update(type="dora")
+    with pytest.raises(ConfigError, match=r"adapter.type: mixtral holds its 4 experts as fused tensors"):
+        load_config(tiny_config)
+    tiny_config["adapter"].update(type="lora", dropout=0.1)
+    with pytest.raises(ConfigError, match=r"adapter.dropout: mixtral .* without dropout"):
+        load_config(tiny_config)
+    tiny_config["adapter"].update(target_modules=["q_proj", "v_proj"])      # experts not targeted: fine
+    assert load_config(tiny_config).adapter.dropout == 0.1
