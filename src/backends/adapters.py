@@ -20,6 +20,17 @@ a transpose and a scale; tensors are copied bit for bit in their stored dtype
 and written here as raw bytes). An mlx-lm copy written by mudpuppy carries the
 PEFT config it came from, so PEFT -> mlx-lm -> PEFT gives back identical files.
 
+Mixture-of-experts experts held as fused 3-D tensors (``mlp.experts.gate_up_proj``,
+``mlp.experts.down_proj``) take PEFT's ``target_parameters`` LoRA (``lora.ParamWrapper``): one
+rank-r pair per expert, stored as ``<experts>[.base_layer].lora_A.weight`` [E*r, in] (expert e's
+rows at e*r...) and ``lora_B.weight`` [out, r*E] (expert e's k-th column at k*E + e); a module
+with both tensors targeted nests two wrappers, gate_up_proj the inner (``.base_layer``) one, as
+PEFT wraps the parameters in the order the module defines them. mlx-lm's layout has no fused
+gate/up: the mlx copy holds mlx-lm's LoRASwitchLinear pairs on ``gate_proj``, ``up_proj`` (the same
+A twice, B's two parts) and ``down_proj``, which `mlx_lm.load` reads and which convert back exactly
+(their two A's must be equal). Where the SwitchGLU sits and how gate_up's rows hold gate and up
+is the model's, recorded by the MLX backend (`Adapter.expert_layout`).
+
 Pure numpy and json: the torch backend, the MLX backend and the CLI all use
 this module, and none of them should have to import the other's runtime.
 """
@@ -55,7 +66,6 @@ PEFT_UNCONVERTIBLE = {
     "fan_in_fan_out": "Conv1D (fan_in_fan_out) weights",
     "layer_replication": "layer replication",
     "trainable_token_indices": "trainable token embeddings",
-    "target_parameters": "LoRA on raw parameters",
     "use_qalora": "QA-LoRA",
     "alora_invocation_tokens": "activated LoRA (aLoRA)",
 }
@@ -64,6 +74,11 @@ PEFT_UNCONVERTIBLE = {
 # classification task. Its weight converts as it is, so only that use of modules_to_save is accepted.
 HEAD_TASKS = ("SEQ_CLS", "TOKEN_CLS")
 HEAD_MODULES = ["classifier", "score"]   # what PEFT's SEQ_CLS / TOKEN_CLS tasks list in modules_to_save
+
+# The fused expert tensors PEFT's target_parameters may adapt, in the order experts modules define them
+# (which is PEFT's nesting order: the first is wrapped innermost).
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+MLX_STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 _LAYER_PATH = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
@@ -158,6 +173,48 @@ class ModuleAdapter:
 
 
 @dataclass
+class ExpertAdapter:
+    """PEFT's LoRA on one fused expert tensor, in PEFT's layout: A [E*r, in], B [out, r*E]."""
+
+    lora_a: RawTensor
+    lora_b: RawTensor
+
+    def factors(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per expert: A [E, r, in] and B [E, out, r] (PEFT's get_delta_factors reshapes)."""
+        a, b = self.lora_a.array, self.lora_b.array
+        experts = a.shape[0] // r
+        return (np.ascontiguousarray(a.reshape(experts, r, a.shape[1])),
+                np.ascontiguousarray(b.reshape(b.shape[0], r, experts).transpose(2, 0, 1)))
+
+    @classmethod
+    def from_factors(cls, dtype: str, a: np.ndarray, b: np.ndarray) -> ExpertAdapter:
+        experts, r, in_dims = a.shape
+        return cls(RawTensor(dtype, np.ascontiguousarray(a.reshape(experts * r, in_dims))),
+                   RawTensor(dtype, np.ascontiguousarray(b.transpose(1, 2, 0).reshape(b.shape[1], r * experts))))
+
+
+def split_rows(fused: np.ndarray, split: str, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """(gate, up) out of gate_up_proj's output rows: halves (Qwen3-MoE, Mixtral) or interleaved (gpt-oss)."""
+    index = [slice(None)] * fused.ndim
+    half = fused.shape[axis] // 2
+    parts = (slice(0, None, 2), slice(1, None, 2)) if split == "interleaved" else (slice(0, half), slice(half, None))
+    out = []
+    for part in parts:
+        index[axis] = part
+        out.append(np.ascontiguousarray(fused[tuple(index)]))
+    return out[0], out[1]
+
+
+def join_rows(gate: np.ndarray, up: np.ndarray, split: str, axis: int) -> np.ndarray:
+    if split != "interleaved":
+        return np.concatenate([gate, up], axis=axis)
+    out = np.stack([gate, up], axis=axis + 1 if axis >= 0 else axis)
+    shape = list(gate.shape)
+    shape[axis] *= 2
+    return out.reshape(shape)
+
+
+@dataclass
 class Adapter:
     """A LoRA or DoRA adapter, independent of the library that wrote it."""
 
@@ -174,6 +231,10 @@ class Adapter:
     extra: dict = field(default_factory=dict)  # mudpuppy notes kept with the mlx-lm copy (e.g. quantization)
     task_type: str = "CAUSAL_LM"        # PEFT's task; SEQ_CLS / TOKEN_CLS carry a head in `full`
     full: dict[str, RawTensor] = field(default_factory=dict)  # fully trained head weights, e.g. score.weight
+    # fused expert tensor (model.layers.0.mlp.experts.down_proj) -> its PEFT target_parameters LoRA
+    experts: dict[str, ExpertAdapter] = field(default_factory=dict)
+    # experts module (model.layers.0.mlp.experts) -> (its SwitchGLU's path in mlx-lm, gate_up's row split)
+    expert_layout: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def scale(self) -> float:
@@ -186,6 +247,10 @@ class Adapter:
     def block_keys(self) -> list[str]:
         """mlx-lm's `keys`: a module's path inside its block, or its full path outside the blocks."""
         return sorted({(m.group(2) if (m := _LAYER_PATH.match(p)) else p) for p in self.modules})
+
+    def target_parameters(self) -> list[str]:
+        """PEFT's target_parameters names (``experts.down_proj``): the experts module's leaf and the tensor."""
+        return sorted({".".join(p.split(".")[-2:]) for p in self.experts})
 
 
 # --------------------------------------------------------------------------- formats
@@ -238,6 +303,8 @@ def adapter_from_peft(config: dict, tensors: dict[str, RawTensor], where: Path |
         raise AdapterError(f"{where}: this adapter uses {', '.join(used)}, which mlx-lm adapters cannot express")
     modules: dict[str, dict[str, RawTensor]] = {}
     full: dict[str, RawTensor] = {}
+    expert_parts: dict[str, dict[str, RawTensor]] = {}
+    wrapped = expert_targets(config.get("target_parameters") or [], where)
     suffixes = {".lora_A.weight": "a", ".lora_B.weight": "b", ".lora_magnitude_vector": "m",
                 ".lora_magnitude_vector.weight": "m"}
     for name, tensor in tensors.items():
@@ -249,14 +316,69 @@ def adapter_from_peft(config: dict, tensors: dict[str, RawTensor], where: Path |
             raise AdapterError(f"{where}: tensor {name!r} is not a LoRA A/B matrix or DoRA magnitude "
                                "(embedding LoRA and extra trained modules do not convert)")
         path = name[len(PEFT_PREFIX) : -len(hit)]
+        if (param := expert_param(path, wrapped)) is not None:
+            if hit not in (".lora_A.weight", ".lora_B.weight"):
+                raise AdapterError(f"{where}: {name}: PEFT adapts fused experts without DoRA")
+            expert_parts.setdefault(param, {})[suffixes[hit]] = tensor
+            continue
         modules.setdefault(path, {})[suffixes[hit]] = tensor
     dora = bool(config.get("use_dora"))
+    r = int(config["r"])
+    experts = _check_experts(expert_parts, r, where)
     adapter = Adapter(
-        kind="dora" if dora else "lora", r=int(config["r"]), alpha=float(config["lora_alpha"]),
-        modules=_check_modules(modules, int(config["r"]), dora, where), rslora=bool(config.get("use_rslora")),
+        kind="dora" if dora else "lora", r=r, alpha=float(config["lora_alpha"]),
+        modules=_check_modules(modules, r, dora, where, allow_empty=bool(experts)),
+        rslora=bool(config.get("use_rslora")),
         dropout=float(config.get("lora_dropout") or 0.0), base_model=config.get("base_model_name_or_path"),
-        peft_config=config, task_type=task, full=full)
+        peft_config=config, task_type=task, full=full, experts=experts)
     return adapter
+
+
+def expert_targets(target_parameters, where) -> list[tuple[str, str]]:
+    """PEFT's target_parameters as (module suffix, tensor name); only fused expert tensors convert."""
+    out = []
+    for target in target_parameters:
+        module, _, param = str(target).rpartition(".")
+        if param not in EXPERT_PARAMS or not module:
+            raise AdapterError(f"{where}: target_parameters {target!r}: only fused expert tensors "
+                               f"({', '.join(EXPERT_PARAMS)}) convert to mlx-lm")
+        out.append((module, param))
+    return out
+
+
+def expert_param(path: str, wrapped: list[tuple[str, str]]) -> str | None:
+    """The fused tensor a PEFT key's module path adapts (``experts.base_layer`` -> gate_up_proj), or None.
+
+    PEFT nests one lora.ParamWrapper per targeted tensor of a module, the first the module defines
+    innermost: with n of them, the wrapper under d ``.base_layer`` hops adapts the (n-1-d)-th."""
+    if not wrapped:
+        return None
+    parts = path.split(".")
+    depth = 0
+    while parts and parts[-1] == "base_layer":
+        parts.pop()
+        depth += 1
+    module = ".".join(parts)
+    params = [p for p in EXPERT_PARAMS
+              if any(p == param and (module == m or module.endswith("." + m)) for m, param in wrapped)]
+    if not params:
+        return None
+    if depth >= len(params):
+        raise AdapterError(f"PEFT key {path}: nested deeper than the {len(params)} expert tensor(s) it targets")
+    return f"{module}.{params[len(params) - 1 - depth]}"
+
+
+def _check_experts(found: dict[str, dict[str, RawTensor]], r: int, where) -> dict[str, ExpertAdapter]:
+    out = {}
+    for path, parts in sorted(found.items()):
+        if "a" not in parts or "b" not in parts:
+            raise AdapterError(f"{where}: {path} has only one of its two LoRA matrices")
+        a, b = parts["a"].array, parts["b"].array
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] % r or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"{where}: {path} has A {a.shape} and B {b.shape}, which do not fit rank {r} "
+                               "per expert")
+        out[path] = ExpertAdapter(parts["a"], parts["b"])
+    return out
 
 
 def is_head_weight(name: str) -> bool:
@@ -276,6 +398,10 @@ def adapter_from_mlx(config: dict, tensors: dict[str, RawTensor], where: Path | 
     modules: dict[str, dict[str, RawTensor]] = {}
     full: dict[str, RawTensor] = {}
     leaves = {"lora_a": "a", "lora_b": "b", "m": "m"}
+    ours = config.get(MUDPUPPY_KEY) or {}
+    layout = {m: (v["mlx"], v["split"]) for m, v in (ours.get("experts") or {}).items()}
+    tensors = dict(tensors)
+    experts = experts_from_mlx(tensors, layout, int(params["rank"]), where)   # takes its tensors out
     for name, tensor in tensors.items():
         if is_head_weight(name):
             full[name] = tensor
@@ -289,7 +415,6 @@ def adapter_from_mlx(config: dict, tensors: dict[str, RawTensor], where: Path | 
         # PEFT orientation: A [r, in], B [out, r].
         modules.setdefault(path, {})[leaves[leaf]] = tensor if leaf == "m" else tensor.transposed()
     r = int(params["rank"])
-    ours = config.get(MUDPUPPY_KEY) or {}
     peft_config = ours.get("peft_config")
     rslora = bool(peft_config.get("use_rslora")) if peft_config else False
     scale = float(params["scale"])
@@ -299,18 +424,54 @@ def adapter_from_mlx(config: dict, tensors: dict[str, RawTensor], where: Path | 
         raise AdapterError(f"{where}: {', '.join(full)} is a trained head, but the config names no "
                            "classification task (mudpuppy.task_type SEQ_CLS or TOKEN_CLS)")
     adapter = Adapter(
-        kind=kind, r=r, alpha=alpha, modules=_check_modules(modules, r, kind == "dora", where), rslora=rslora,
-        dropout=float(params.get("dropout") or 0.0), base_model=config.get("model"), peft_config=peft_config,
-        num_layers=int(config.get("num_layers", -1)), task_type=task, full=full,
-        extra={k: v for k, v in ours.items() if k not in ("peft_config", "task_type")})
+        kind=kind, r=r, alpha=alpha, modules=_check_modules(modules, r, kind == "dora", where, bool(experts)),
+        rslora=rslora, dropout=float(params.get("dropout") or 0.0), base_model=config.get("model"),
+        peft_config=peft_config, num_layers=int(config.get("num_layers", -1)), task_type=task, full=full,
+        extra={k: v for k, v in ours.items() if k not in ("peft_config", "task_type", "experts")},
+        experts=experts, expert_layout=layout)
     if peft_config is not None and abs(adapter.scale - scale) > 1e-6 * max(1.0, abs(scale)):
         raise AdapterError(f"{where}: lora_parameters.scale {scale} disagrees with the PEFT config it records "
                            f"(lora_alpha {alpha}, r {r} give {adapter.scale}); the file was edited by hand")
     return adapter
 
 
-def _check_modules(found: dict[str, dict[str, RawTensor]], r: int, dora: bool, where) -> dict[str, ModuleAdapter]:
-    if not found:
+def experts_from_mlx(tensors: dict[str, RawTensor], layout: dict[str, tuple[str, str]], r: int,
+                     where) -> dict[str, ExpertAdapter]:
+    """The expert adapters of an mlx-lm copy mudpuppy wrote (its LoRASwitchLinear pairs on gate_proj,
+    up_proj, down_proj) back in PEFT's fused layout; removes their tensors from `tensors`."""
+    out = {}
+    for module, (stem, split) in sorted(layout.items()):
+        for param, stacks in MLX_STACKS.items():
+            names = [f"{stem}.{s}.{leaf}" for s in stacks for leaf in ("lora_a", "lora_b")]
+            present = [n for n in names if n in tensors]
+            if not present:
+                continue
+            if len(present) != len(names):
+                raise AdapterError(f"{where}: {stem}: expert adapter incomplete (has {', '.join(present)})")
+            got = {n: tensors.pop(n) for n in names}
+            dtype = got[names[0]].dtype
+            a = got[f"{stem}.{stacks[0]}.lora_a"].array
+            if a.ndim != 3 or a.shape[1] != r:
+                raise AdapterError(f"{where}: {stem}.{stacks[0]}.lora_a {a.shape} is not [experts, {r}, in]")
+            if param == "gate_up_proj":
+                if not got[f"{stem}.up_proj.lora_a"].equals(got[f"{stem}.gate_proj.lora_a"]):
+                    raise AdapterError(
+                        f"{where}: {stem}: gate_proj and up_proj hold different lora_a, i.e. two pairs; PEFT's "
+                        "LoRA on the fused gate_up_proj is one pair per expert (train it with mudpuppy)")
+                b = join_rows(got[f"{stem}.gate_proj.lora_b"].array, got[f"{stem}.up_proj.lora_b"].array, split, 1)
+            else:
+                b = got[f"{stem}.down_proj.lora_b"].array
+            out[f"{module}.{param}"] = ExpertAdapter.from_factors(dtype, a, b)
+    left = [n for n, t in tensors.items() if t.array.ndim == 3]
+    if left:
+        raise AdapterError(f"{where}: {left[0]} belongs to a mixture-of-experts LoRA this file does not map to "
+                           "PEFT's fused experts (mlx-lm's own gate and up pairs have no PEFT equivalent)")
+    return out
+
+
+def _check_modules(found: dict[str, dict[str, RawTensor]], r: int, dora: bool, where,
+                   allow_empty: bool = False) -> dict[str, ModuleAdapter]:
+    if not found and not allow_empty:
         raise AdapterError(f"{where}: the adapter holds no weights")
     out = {}
     for path, parts in sorted(found.items()):
@@ -343,6 +504,7 @@ def peft_config_for(adapter: Adapter) -> dict:
         "init_lora_weights": True, "modules_to_save": list(HEAD_MODULES) if adapter.full else None,
         "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
+        "target_parameters": adapter.target_parameters() or None,
     }
     if adapter.num_layers != -1:
         # mlx-lm adapted only the last `num_layers` blocks; PEFT must not adapt the others.
@@ -360,13 +522,48 @@ def write_peft(adapter: Adapter, out: str | Path) -> Path:
         if mod.magnitude is not None:
             tensors[f"{PEFT_PREFIX}{path}.lora_magnitude_vector"] = mod.magnitude
     tensors.update({f"{PEFT_PREFIX}{name}": tensor for name, tensor in adapter.full.items()})
+    for path, ea in adapter.experts.items():
+        tensors[f"{PEFT_PREFIX}{peft_expert_key(adapter, path)}.lora_A.weight"] = ea.lora_a
+        tensors[f"{PEFT_PREFIX}{peft_expert_key(adapter, path)}.lora_B.weight"] = ea.lora_b
     write_safetensors(root / PEFT_WEIGHTS, tensors, {"format": "pt"})
     write_json(root / CONFIG_FILE, peft_config_for(adapter))
     return root
 
 
+def peft_expert_key(adapter: Adapter, path: str) -> str:
+    """PEFT's module name for a fused tensor's wrapper: the experts module, one ``.base_layer`` per wrapper
+    nested outside it (expert_param's rule, backwards)."""
+    module, _, param = path.rpartition(".")
+    params = [p for p in EXPERT_PARAMS if f"{module}.{p}" in adapter.experts]
+    return module + ".base_layer" * (len(params) - 1 - params.index(param))
+
+
+def mlx_expert_tensors(adapter: Adapter) -> dict[str, RawTensor]:
+    """The expert adapters as mlx-lm's LoRASwitchLinear pairs: lora_a [E, r, in], lora_b [E, out, r]."""
+    out = {}
+    for path, ea in adapter.experts.items():
+        module, _, param = path.rpartition(".")
+        if module not in adapter.expert_layout:
+            raise AdapterError(f"{module}: an expert adapter needs the MLX model's layout to be written in mlx-lm's "
+                               "form; load the adapter on the mlx backend and save it from there")
+        stem, split = adapter.expert_layout[module]
+        a, b = ea.factors(adapter.r)
+        dtype = ea.lora_a.dtype
+        if param == "gate_up_proj":
+            gate, up = split_rows(b, split, 1)
+            for stack, part in (("gate_proj", gate), ("up_proj", up)):
+                out[f"{stem}.{stack}.lora_a"] = RawTensor(dtype, a)
+                out[f"{stem}.{stack}.lora_b"] = RawTensor(dtype, part)
+        else:
+            out[f"{stem}.down_proj.lora_a"] = RawTensor(dtype, a)
+            out[f"{stem}.down_proj.lora_b"] = RawTensor(dtype, b)
+    return out
+
+
 def mlx_config_for(adapter: Adapter) -> dict:
     ours = dict(adapter.extra)
+    if adapter.expert_layout:
+        ours["experts"] = {m: {"mlx": stem, "split": split} for m, (stem, split) in adapter.expert_layout.items()}
     ours["peft_config"] = peft_config_for(adapter)
     if adapter.full:
         ours["task_type"] = adapter.task_type
@@ -376,16 +573,21 @@ def mlx_config_for(adapter: Adapter) -> dict:
         # mlx-lm's extra layers then start with B = 0 (LoRA) or m = |W| (DoRA), changing nothing.
         "num_layers": -1,
         "lora_parameters": {"rank": adapter.r, "scale": adapter.scale, "dropout": adapter.dropout,
-                            "keys": adapter.block_keys()},
+                            "keys": sorted(set(adapter.block_keys()) | expert_keys(adapter))},
         "model": adapter.base_model,
         MUDPUPPY_KEY: ours,
     }
 
 
+def expert_keys(adapter: Adapter) -> set[str]:
+    names = mlx_expert_tensors(adapter) if adapter.experts else {}
+    return {(m.group(2) if (m := _LAYER_PATH.match(n)) else n).rpartition(".")[0] for n in names}
+
+
 def write_mlx(adapter: Adapter, out: str | Path) -> Path:
     root = Path(out)
+    tensors = mlx_expert_tensors(adapter)     # refused before anything is written where it cannot be
     root.mkdir(parents=True, exist_ok=True)
-    tensors = {}
     for path, mod in adapter.modules.items():
         tensors[f"{path}.lora_a"] = mod.lora_a.transposed()
         tensors[f"{path}.lora_b"] = mod.lora_b.transposed()

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from ...errors import MudpuppyError
 from .. import adapters as fmt
+from .experts import SPLITS, TARGETS, expert_adapters, expert_modules, torch_path, wrap_experts
 from .layers import adapter_layers, linear_dims, linear_layers, wrap_linears
 from .loading import HEAD_NAME
 
@@ -48,10 +49,18 @@ def adapter_from_model(handle) -> fmt.Adapter:
     full = ({f"{HEAD_NAME}.{k}": to_raw(v) for k, v in tree_flatten(handle.model[HEAD_NAME].parameters())}
             if handle.head else {})
     task = {"sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS"}.get(handle.head, "CAUSAL_LM")
+    experts, layout = {}, {}
+    for stem, glu in expert_adapters(handle.model).items():
+        module = torch_path(stem, handle.config.get("model_type"))
+        layout[module] = (stem, glu.split)
+        for pair, param in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+            if pair in glu:
+                a, b = to_raw(glu[pair].lora_a), to_raw(glu[pair].lora_b)   # [E, r, in], [E, out, r]
+                experts[f"{module}.{param}"] = fmt.ExpertAdapter.from_factors(a.dtype, a.array, b.array)
     return fmt.Adapter(kind=spec["kind"], r=spec["r"], alpha=spec["alpha"], modules=modules,
                        rslora=spec["rslora"], dropout=spec["dropout"], base_model=handle.source,
                        peft_config=spec.get("peft_config"), target_modules=spec.get("targets"), extra=extra,
-                       task_type=task, full=full)
+                       task_type=task, full=full, experts=experts, expert_layout=layout)
 
 
 def save_adapter(handle, path: str) -> None:
@@ -62,7 +71,7 @@ def save_adapter(handle, path: str) -> None:
 
 def load_adapter(handle, path: str, trainable: bool = False) -> None:
     """Attach the adapter stored at `path` (PEFT or mlx-lm layout) to a model that has none."""
-    if adapter_layers(handle.model):
+    if adapter_layers(handle.model) or expert_adapters(handle.model):
         raise MudpuppyError(f"load_adapter {path}: this model already has an adapter attached")
     adapter = fmt.read_adapter(path)
     linears = linear_layers(handle.model)
@@ -76,7 +85,11 @@ def load_adapter(handle, path: str, trainable: bool = False) -> None:
         if mod.lora_a.array.shape[1] != in_dims or mod.lora_b.array.shape[0] != out_dims:
             raise MudpuppyError(f"load_adapter {path}: {p} is [{out_dims} x {in_dims}] in this model but the "
                                 f"adapter expects [{mod.lora_b.array.shape[0]} x {mod.lora_a.array.shape[1]}]")
+    stems = expert_stems(handle, adapter, path)
     wrap_linears(handle.model, sorted(adapter.modules), adapter.kind, adapter.r, adapter.scale, adapter.dropout)
+    if stems:
+        wrap_experts(handle.model, sorted(set(stems.values())), adapter.r, adapter.scale,
+                     SPLITS[handle.config["model_type"]][1], expert_targets(adapter))
     handle.model.load_weights(adapter_weights(handle, adapter, path), strict=False)
     if trainable and handle.head:
         handle.model[HEAD_NAME].unfreeze()  # the head trains in full, as after attach_adapter
@@ -85,7 +98,43 @@ def load_adapter(handle, path: str, trainable: bool = False) -> None:
     mx.eval(handle.model.parameters())
     handle.adapter = {"kind": adapter.kind, "r": adapter.r, "alpha": adapter.alpha, "rslora": adapter.rslora,
                       "dropout": adapter.dropout, "targets": adapter.block_keys(), "peft_config": adapter.peft_config,
-                      "quantization": adapter.extra.get("quantization")}
+                      "quantization": adapter.extra.get("quantization"), "experts": expert_targets(adapter)}
+
+
+def expert_targets(adapter: fmt.Adapter) -> list[str]:
+    """Which of TARGETS the adapter's expert LoRA covers (the same on every layer, as PEFT targets by name)."""
+    return [t for t in TARGETS if any(p.endswith("." + t.split(".")[1]) for p in adapter.experts)]
+
+
+def expert_stems(handle, adapter: fmt.Adapter, path: str) -> dict[str, str]:
+    """Fused expert tensor (PEFT's name) -> the SwitchGLU path in this model that carries it, shapes checked."""
+    if not adapter.experts:
+        return {}
+    model_type = handle.config.get("model_type")
+    glus = expert_modules(handle.model)
+    if model_type not in SPLITS or not glus:
+        raise MudpuppyError(f"load_adapter {path}: the adapter adapts fused experts, which this model "
+                            f"({model_type}) has none of on the mlx backend that mudpuppy can adapt")
+    if adapter.kind != "lora":
+        raise MudpuppyError(f"load_adapter {path}: a {adapter.kind} adapter on fused experts; PEFT adapts them with "
+                            "LoRA only")
+    by_module = {torch_path(stem, model_type): stem for stem in glus}
+    out = {}
+    for name, ea in adapter.experts.items():
+        module, _, param = name.rpartition(".")
+        if module not in by_module:
+            raise MudpuppyError(f"load_adapter {path}: {name} has no mixture-of-experts layer in this model; "
+                                "was the adapter trained on another base model?")
+        stack = glus[by_module[module]].gate_proj
+        experts, inter, hidden = stack.num_experts, stack.output_dims, stack.input_dims
+        want = (experts * adapter.r, hidden, 2 * inter) if param == "gate_up_proj" else (experts * adapter.r, inter, hidden)
+        got = (ea.lora_a.array.shape[0], ea.lora_a.array.shape[1], ea.lora_b.array.shape[0])
+        if got != want:
+            raise MudpuppyError(f"load_adapter {path}: {name} is {experts} experts [{want[2]} x {want[1]}] at rank "
+                                f"{adapter.r} in this model but the adapter holds A {ea.lora_a.array.shape}, "
+                                f"B {ea.lora_b.array.shape}")
+        out[name] = by_module[module]
+    return out
 
 
 
@@ -97,6 +146,12 @@ def adapter_weights(handle, adapter: fmt.Adapter, path: str) -> list[tuple[str, 
         weights.append((f"{p}.lora_b", from_raw(mod.lora_b.transposed())))
         if mod.magnitude is not None:
             weights.append((f"{p}.m", from_raw(mod.magnitude)))
+    for name, stem in expert_stems(handle, adapter, path).items():
+        a, b = adapter.experts[name].factors(adapter.r)
+        dtype = adapter.experts[name].lora_a.dtype
+        pair = "gate_up" if name.endswith("gate_up_proj") else "down"
+        weights.append((f"{stem}.{pair}.lora_a", from_raw(fmt.RawTensor(dtype, a))))
+        weights.append((f"{stem}.{pair}.lora_b", from_raw(fmt.RawTensor(dtype, b))))
     return weights + head_weights(handle, adapter, path)
 
 
@@ -109,6 +164,11 @@ def start_from(handle, path: str) -> None:
     problems = []
     if adapter.kind != mine["kind"] or adapter.r != mine["r"]:
         problems.append(f"it is {adapter.kind} r={adapter.r}, this run attaches {mine['kind']} r={mine['r']}")
+    experts = {f"{torch_path(stem, handle.config.get('model_type'))}.{param}"
+               for stem, glu in expert_adapters(handle.model).items()
+               for pair, param in (("gate_up", "gate_up_proj"), ("down", "down_proj")) if pair in glu}
+    if set(adapter.experts) != experts:
+        problems.append(f"it adapts {len(adapter.experts)} fused expert tensors, this run {len(experts)}")
     if set(adapter.modules) != attached:
         problems.append(f"it adapts {len(adapter.modules)} modules, this run {len(attached)} "
                         f"(e.g. {', '.join(sorted(set(adapter.modules) ^ attached)[:3])})")

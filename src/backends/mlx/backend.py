@@ -20,7 +20,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ...errors import MudpuppyError
-from ..adapters import choose_target_modules
+from ..adapters import choose_target_modules, choose_target_parameters
 from ..protocol import AdapterInfo, Sampling
 from . import adapter_io, forward, generation, logprobs
 from .layers import (
@@ -30,7 +30,8 @@ from .layers import (
     merge_adapters,
     wrap_linears,
 )
-from .families import check_expert_targets
+from .experts import SPLITS, TARGETS, expert_adapters, expert_modules, router_paths, wrap_experts
+from .families import check_expert_targets, family_name
 from .loading import DTYPES, HEAD_NAME, MlxModel, count_parameters, frozen_base, head_config, load_model
 from .ops import MlxOps
 from .quantize import quant_format, quantize_base
@@ -62,7 +63,7 @@ class MlxBackend:
 
     def save_model(self, handle: MlxModel, path: str) -> None:
         """A full model as transformers saves one: config.json, model.safetensors, tokenizer."""
-        if adapter_layers(handle.model):
+        if adapter_layers(handle.model) or expert_adapters(handle.model):
             raise MudpuppyError("save_model: this model carries an adapter; save it with save_adapter")
         if any(k.endswith(".scales") for k, _ in tree_flatten(handle.model.parameters())):
             raise MudpuppyError("save_model: the base is quantized (QLoRA); save the adapter instead")
@@ -121,26 +122,44 @@ class MlxBackend:
                 # created in fp32, and a scalar head, trained in full, stays fp32 as PEFT's modules_to_save.
                 frozen_base(model, handle.head).set_dtype(mx.bfloat16)
             check_expert_targets(model, handle.config, adapter_cfg.target_modules)
-            leaves = self._target_modules(model, adapter_cfg.target_modules)
-            paths = sorted(p for p in linear_layers(model) if p.rsplit(".", 1)[-1] in leaves)
+            glus = expert_modules(model) if handle.config.get("model_type") in SPLITS else {}
+            if glus and getattr(adapter_cfg, "train_router", False):
+                raise MudpuppyError(f"adapter.train_router: the router of {family_name(handle.config)} trains "
+                                    "in full on torch backends only; on mlx it stays frozen (remove the key)")
+            leaves, experts = self._targets(model, adapter_cfg.target_modules, bool(glus))
+            if experts and (kind == "dora" or adapter_cfg.dropout):
+                raise MudpuppyError(
+                    f"adapter: this model's experts are fused tensors ({', '.join(experts)}), which PEFT adapts "
+                    f"without {'DoRA' if kind == 'dora' else 'dropout'}; use adapter.type lora (or qlora) "
+                    "with adapter.dropout: 0, or list target_modules without the experts")
+            routers = router_paths(model)
+            paths = sorted(p for p in linear_layers(model) if p.rsplit(".", 1)[-1] in leaves and p not in routers)
             scale = adapter_cfg.alpha / (adapter_cfg.r ** 0.5 if adapter_cfg.rslora else adapter_cfg.r)
             layer_kind = "dora" if kind == "dora" else "lora"
             wrap_linears(model, paths, layer_kind, adapter_cfg.r, scale, adapter_cfg.dropout)
+            if experts:     # PEFT's target_parameters LoRA on the fused experts (experts.py)
+                wrap_experts(model, sorted(glus), adapter_cfg.r, scale, SPLITS[handle.config["model_type"]][1],
+                             experts)
             if handle.head:
                 model[HEAD_NAME].unfreeze()  # a new head is never a target: it trains in full (PEFT's modules_to_save)
             handle.adapter = {"kind": layer_kind, "r": adapter_cfg.r, "alpha": adapter_cfg.alpha,
                               "rslora": adapter_cfg.rslora, "dropout": adapter_cfg.dropout, "targets": leaves,
-                              "quantization": quantization}
-            info_targets = leaves
+                              "quantization": quantization, "experts": experts}
+            info_targets = leaves + experts
             if getattr(adapter_cfg, "init_from", None):
                 adapter_io.start_from(handle, adapter_cfg.init_from)
         mx.eval(model.parameters())
         return AdapterInfo(kind, count_parameters(model, trainable=True), count_parameters(model), info_targets)
 
     @staticmethod
-    def _target_modules(model, wanted) -> list[str]:
-        """Leaf names of the linear layers to adapt; the output head is never a target (as on torch)."""
-        return choose_target_modules({p.rsplit(".", 1)[-1] for p in linear_layers(model)}, wanted)
+    def _targets(model, wanted, experts: bool) -> tuple[list[str], list[str]]:
+        """Leaf names of the linear layers to adapt, and the fused expert tensors (PEFT's target_parameters
+        names) where the model's experts can take PEFT's adapter. Neither the output head nor a router
+        (an nn.Linear on MLX, not on torch) is a target, as on torch."""
+        routers = router_paths(model)
+        linear = {p.rsplit(".", 1)[-1] for p in linear_layers(model) if p not in routers}
+        parameters = set(TARGETS) if experts else set()
+        return choose_target_modules(linear, wanted, parameters), choose_target_parameters(parameters, wanted)
 
     def save_adapter(self, handle: MlxModel, path: str) -> None:
         if self.ranks.is_main:

@@ -227,9 +227,12 @@ def prepare_directory(model_dir: Path) -> list[str]:
 
 
 def check_expert_targets(model, config: dict, wanted) -> None:
-    """`all-linear` on a mixture-of-experts model: its experts (mlx-lm's SwitchLinear, most of the weights)
-    take no adapter on MLX yet, so all-linear would silently train attention alone; refused by name."""
-    if wanted != "all-linear":
+    """`all-linear` (or an expert tensor named) on a mixture-of-experts family whose experts mudpuppy cannot
+    adapt as PEFT does on torch (experts.py SPLITS lists those it can): its experts hold most of the
+    weights, so all-linear would silently train the attention alone; refused by name."""
+    from .experts import SPLITS, TARGETS
+
+    if config.get("model_type") in SPLITS or not (wanted == "all-linear" or set(wanted) & set(TARGETS)):
         return
     from mlx.utils import tree_flatten
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
@@ -241,9 +244,10 @@ def check_expert_targets(model, config: dict, wanted) -> None:
     total = sum(v.size for _, v in tree_flatten(model.parameters()))
     raise MudpuppyError(
         f"adapter.target_modules: all-linear on {family_name(config)}: its experts ({held / total:.0%} of the "
-        "weights) cannot carry an adapter on the mlx backend yet, so all-linear would train the attention "
-        "alone; use a torch backend (its LoRA reaches the experts), or list the modules to adapt "
-        "(e.g. [q_proj, k_proj, v_proj, o_proj]) to train those alone on MLX")
+        "weights) cannot carry an adapter on the mlx backend (mudpuppy adapts the experts of Qwen3-MoE, Mixtral "
+        "and gpt-oss there), so all-linear would train the attention alone; use a torch backend (its LoRA "
+        "reaches the experts), or list the modules to adapt (e.g. [q_proj, k_proj, v_proj, o_proj]) to train "
+        "those alone on MLX")
 
 
 # ---------------------------------------------------------------------------------- sliding windows

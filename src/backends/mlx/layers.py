@@ -127,7 +127,9 @@ def adapter_layers(model: nn.Module) -> dict[str, LoRALinear]:
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """The base model for the duration (PEFT's disable_adapter); a model without adapters is itself."""
-    layers = list(adapter_layers(model).values())
+    from .experts import expert_adapters
+
+    layers = list(adapter_layers(model).values()) + list(expert_adapters(model).values())
     for layer in layers:
         layer.enabled = False
     try:
@@ -171,7 +173,9 @@ def merge_adapters(model: nn.Module) -> None:
     The result is a plain model that transformers can load; a model with no
     adapter and no quantized layer is left as it is, so merging twice is a no-op.
     """
-    replaced = [(name, mod.fused()) for name, mod in adapter_layers(model).items()]
+    from .experts import expert_adapters
+
+    replaced = [(name, mod.fused()) for name, mod in {**adapter_layers(model), **expert_adapters(model)}.items()]
     if replaced:
         model.update_modules(tree_unflatten(replaced))
     quantized = [(name, plain_linear(base_weight(mod), mod)) for name, mod in model.named_modules()

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from ...files import CorruptFile, check_safetensors, check_zip, read_json
 from ..state_check import check_state_fits
+from .experts import expert_adapters
 from .layers import adapter_layers
 
 WEIGHTS = "trainable.safetensors"
@@ -30,7 +31,7 @@ def save_training_state(backend, handle, trainer, path: str | Path) -> None:
     state = trainer.state_dict()
     np.savez(path / OPTIMIZER, **state["optimizer"])
     (path / TRAINER).write_text(json.dumps({"optimizer_dtypes": state["optimizer_dtypes"], "rng": state["rng"]}))
-    if adapter_layers(handle.model):
+    if adapter_layers(handle.model) or expert_adapters(handle.model):
         backend.save_adapter(handle, str(path))
 
 

@@ -145,9 +145,15 @@ def test_an_mlx_export_reads_back_in_mlx_lm_with_torchs_logits(family, model_dir
     assert "rope_theta" in json.loads((out / "config.json").read_text())
 
 
-def test_moe_all_linear_is_refused_on_mlx_by_name(model_dirs, mlx_backend):
+def test_moe_all_linear_on_a_family_whose_experts_mlx_cannot_adapt_is_refused_by_name(model_dirs, mlx_backend):
+    # Qwen3-MoE, Mixtral and gpt-oss adapt their experts on MLX (test_moe_lora.py); an MoE family
+    # outside experts.SPLITS is refused by name rather than trained on its attention alone.
+    from mudpuppy.backends.mlx import experts
+
     m = mlx_backend.load_model(model_cfg(model_dirs("qwen3_moe")), "fp32")
-    with pytest.raises(MudpuppyError, match="all-linear on Qwen3-MoE: its experts .* torch backend"):
+    m.config = {**m.config, "model_type": "olmoe"}
+    assert "olmoe" not in experts.SPLITS
+    with pytest.raises(MudpuppyError, match="all-linear on olmoe: its experts .* torch backend"):
         mlx_backend.attach_adapter(m, AdapterConfig(type="lora", r=4, target_modules="all-linear"))
 
 

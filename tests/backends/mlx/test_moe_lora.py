@@ -1,0 +1,134 @@
+"""LoRA on mixture-of-experts experts on MLX, in PEFT's target_parameters layout (issue 26).
+
+PEFT adapts transformers' fused expert tensors with one rank-r pair per expert on
+`experts.gate_up_proj` (gate and up sharing it) and one on `experts.down_proj`. A PEFT adapter
+with random weights on every target (attention and experts) loads on the MLX backend with
+torch's logits (fp32, 1e-4); saving it back from MLX gives PEFT's tensors bit for bit, and its
+mlx-lm copy (LoRASwitchLinear pairs) loads in mlx-lm's own `load_adapters` with the same
+logits. `all-linear` on MLX adapts the experts, a step moves them, the router stays frozen.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from mudpuppy.backends import adapters as fmt
+from mudpuppy.config import AdapterConfig, TrainingConfig
+from mudpuppy.errors import MudpuppyError
+
+from .conftest import model_cfg
+from .test_families import _flat, batch, build
+
+pytestmark = pytest.mark.mlx
+FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = build(family, tmp_path_factory.mktemp(family))
+        return made[family]
+    return get
+
+
+def random_peft_adapter(path, out):
+    """PEFT's own adapter (attention + fused experts), every lora weight random, saved as PEFT saves it."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                        target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_peft_expert_adapter_gives_torchs_logits_on_mlx_and_converts_back_exactly(
+        family, model_dirs, mlx_backend, torch_backend, tmp_path):
+    from mlx_lm.tuner.utils import load_adapters
+
+    path = model_dirs(family)
+    adapter = random_peft_adapter(path, tmp_path / "peft")
+    b = batch()
+    real = b.attention_mask.astype(bool)
+    t = torch_backend.load_model(model_cfg(path), "fp32")
+    base = torch_backend.logits(t, b)
+    torch_backend.load_adapter(t, str(adapter))
+    expected = torch_backend.logits(t, b)
+    assert float(np.abs(expected - base)[real].max()) > 1e-2       # the adapter (experts included) acts
+
+    m = mlx_backend.load_model(model_cfg(path), "fp32")
+    mlx_backend.load_adapter(m, str(adapter))
+    got = mlx_backend.logits(m, b)
+    diff = float(np.abs(got - expected)[real].max())
+    assert diff < 1e-4, f"{family}: MLX logits with the PEFT expert adapter {diff:.2e} from torch's"
+
+    # MLX -> PEFT: the same tensors, bit for bit, under PEFT's names.
+    mlx_backend.save_adapter(m, str(tmp_path / "back"))
+    original, _ = fmt.read_safetensors(adapter / fmt.PEFT_WEIGHTS)
+    back, _ = fmt.read_safetensors(tmp_path / "back" / fmt.PEFT_WEIGHTS)
+    assert sorted(back) == sorted(original)
+    assert all(back[k].equals(original[k]) for k in original)
+    assert any(".experts.base_layer.lora_A" in k for k in back)
+
+    # The mlx-lm copy: mlx-lm's own LoRASwitchLinear reads it, with torch's logits.
+    mlx_dir = tmp_path / "back" / fmt.MLX_SUBDIR
+    keys = json.loads((mlx_dir / fmt.CONFIG_FILE).read_text())["lora_parameters"]["keys"]
+    assert any(k.endswith("gate_proj") for k in keys) and any(k.endswith("down_proj") for k in keys)
+    m2 = mlx_backend.load_model(model_cfg(path), "fp32")
+    load_adapters(m2.model, str(mlx_dir))
+    diff = float(np.abs(mlx_backend.logits(m2, b) - expected)[real].max())
+    assert diff < 1e-4, f"{family}: mlx-lm's load_adapters of the mlx copy {diff:.2e} from torch's"
+    # ... and it converts back to PEFT's fused layout exactly.
+    again = fmt.read_adapter(mlx_dir)
+    assert all(again.experts[k].lora_a.equals(v.lora_a) and again.experts[k].lora_b.equals(v.lora_b)
+               for k, v in fmt.read_adapter(adapter).experts.items())
+
+    # Merged: the experts' deltas folded into the stacks, the same logits.
+    mlx_backend.merge_and_save(m, str(tmp_path / "merged"), dtype="float32")
+    merged = mlx_backend.load_model(model_cfg(tmp_path / "merged"), "fp32")
+    diff = float(np.abs(mlx_backend.logits(merged, b) - expected)[real].max())
+    assert diff < 1e-4, f"{family}: merged logits {diff:.2e} from the adapter's"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_all_linear_on_mlx_adapts_the_experts_and_one_step_moves_them(family, model_dirs, mlx_backend):
+    m = mlx_backend.load_model(model_cfg(model_dirs(family)), "fp32")
+    info = mlx_backend.attach_adapter(m, AdapterConfig(type="lora", r=4, alpha=8, target_modules="all-linear"))
+    assert {"experts.gate_up_proj", "experts.down_proj"} <= set(info.target_modules)
+    trainable = dict(_flat(m.model.trainable_parameters()))
+    assert not any(k.endswith(("mlp.gate.weight", "mlp.router.weight")) or ".gate.lora" in k or ".router.lora" in k
+                   for k in trainable), "the router must stay frozen"
+    before = {k: np.array(v) for k, v in trainable.items()}
+    trainer = mlx_backend.create_trainer(m, TrainingConfig(max_steps=1, learning_rate=1e-2))
+    result = trainer.step([batch()], 1e-2)
+    assert np.isfinite(result.loss)
+    after = dict(_flat(m.model.trainable_parameters()))
+    moved = {k for k, v in before.items() if not np.array_equal(v, np.array(after[k]))}
+    for pair in ("gate_up.lora_b", "down.lora_b"):
+        assert any(k.endswith(pair) for k in moved), f"{family}: the step left {pair} as it was"
+
+
+def test_train_router_and_dora_on_experts_are_refused_by_name(model_dirs, mlx_backend):
+    m = mlx_backend.load_model(model_cfg(model_dirs("qwen3_moe")), "fp32")
+    with pytest.raises(MudpuppyError, match="train_router.*torch backends only"):
+        mlx_backend.attach_adapter(m, AdapterConfig(type="lora", r=4, train_router=True))
+    with pytest.raises(MudpuppyError, match="without DoRA"):
+        mlx_backend.attach_adapter(m, AdapterConfig(type="dora", r=4))
