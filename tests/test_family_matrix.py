@@ -15,9 +15,12 @@ driven through mudpuppy's Python API on the torch CPU backend at fp32:
 - merge: `merge_and_save` then transformers' loader gives the adapter's logits (1e-4);
 - FSDP2: `decoder_layers` finds the family's decoder layer class, and `shard_model` wraps the
   LoRA model in a one-process gloo group with the unsharded logits;
-- GGUF for the families tests/export/test_gguf_families.py leaves out: Mistral reads back,
-  SmolLM3, GLM-4 and Cohere are refused naming the alternatives; a Mistral or Mixtral with a
-  sliding window should be refused and is not (xfail: an export bug).
+- GGUF for these models (the shapes above, tied heads) where tests/export/test_gguf_families.py
+  builds its own: Mistral reads back; SmolLM3, GLM-4 and Cohere export to the tensors and keys
+  llama.cpp's loader asks for, and (slow, with llama-cpp-python) llama.cpp's logits equal the
+  model's; a Mistral or Mixtral with a sliding window exports with a note; what llama.cpp would
+  compute differently (the matrix's Qwen2 window, SmolLM3 rotary on other layers than every 4th,
+  Cohere q/k norms below 64 layers) is refused naming the alternatives.
 
 Other cells are tested elsewhere (docs/models.md, "The matrix", names them).
 """
@@ -399,15 +402,72 @@ def test_gguf_says_where_a_dropped_window_changes_answers(model_dirs, tmp_path, 
         assert np.abs(got[:, WINDOW:] - want[:, WINDOW:]).max() > 1e-2
 
 
-@pytest.mark.parametrize("family,named", [
-    ("smollm3", "SmolLM3ForCausalLM"), ("glm4", "Glm4ForCausalLM"), ("cohere", "CohereForCausalLM")])
-def test_gguf_refused(model_dirs, tmp_path, family, named):
+LLAMA_CPP_FAMILIES = ["smollm3", "glm4", "cohere"]      # the matrix's shapes, here only
+
+
+def export_gguf(path, out) -> "object":
     from click.testing import CliRunner
 
     from mudpuppy.cli import main
 
-    done = CliRunner().invoke(main, ["export", str(model_dirs(family)), "--format", "gguf",
-                                     "--out", str(tmp_path / "out")])
+    return CliRunner().invoke(main, ["export", str(path), "--format", "gguf", "--quant", "f32", "--out", str(out)])
+
+
+@pytest.mark.parametrize("family", LLAMA_CPP_FAMILIES)
+def test_gguf_is_what_llama_cpp_loads(model_dirs, tmp_path, family):
+    """The tensors (shapes) and metadata llama.cpp's loader reads for the arch, transcribed from its
+    src/models/<arch>.cpp in tests/export/test_gguf_families.py."""
+    import gguf
+
+    from .export.test_gguf_families import ARCH, llama_cpp_keys, llama_cpp_tensors
+
+    path = model_dirs(family)
+    done = export_gguf(path, tmp_path / "out")
+    assert done.exit_code == 0, done.output
+    c = json.loads((path / "config.json").read_text())
+    reader = gguf.GGUFReader(str(tmp_path / "out" / "model-f32.gguf"))
+    arch = reader.fields["general.architecture"].contents()
+    assert arch == ARCH[family]
+    assert {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors} == llama_cpp_tensors(family, c)
+    for key, value in llama_cpp_keys(family, c).items():
+        field = reader.fields.get(f"{arch}.{key}")
+        assert field is not None, key
+        assert field.contents() == (value if isinstance(value, str) else pytest.approx(value, rel=1e-6)), key
+
+
+def _has_llama_cpp() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_llama_cpp(), reason="llama-cpp-python is not installed")
+@pytest.mark.parametrize("family", LLAMA_CPP_FAMILIES)
+def test_gguf_llama_cpp_logits_equal_the_model(model_dirs, tmp_path, family):
+    import llama_cpp
+
+    path = model_dirs(family)
+    assert export_gguf(path, tmp_path / "out").exit_code == 0
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "out" / "model-f32.gguf"), n_ctx=64, logits_all=True,
+                          type_k=0, type_v=0, verbose=False)           # GGML_TYPE_F32 cache
+    ids = examples((11,))[0].input_ids.tolist()
+    llm.eval(ids)
+    source = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = source(input_ids=torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(llm.scores[:len(ids)]), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family,extra,named", [
+    ("qwen2", {}, "use_sliding_window: true"),                 # this matrix's Qwen2 slides its window
+    ("smollm3", {"no_rope_layer_interval": 2}, "no_rope_layers [1, 0]"),       # no rotary on the 2nd layer
+    ("cohere", {"use_qk_norm": True}, "use_qk_norm: true with 2 layers"),
+], ids=["qwen2-sliding_window", "smollm3-no_rope_layers", "cohere-qk_norm"])
+def test_gguf_refused(model_dirs, tmp_path, family, extra, named):
+    """What llama.cpp's graph for the family would compute differently: one message naming the setting and
+    the alternatives, exit 2, nothing written."""
+    done = export_gguf(model_dirs(family, **extra), tmp_path / "out")
     assert done.exit_code == 2, done.output
     assert named in done.output and "--format merged" in done.output and "--format mlx" in done.output
     assert "Traceback" not in done.output and not (tmp_path / "out").exists()

@@ -5,7 +5,8 @@ No llama.cpp build: the metadata, the vocabulary (gguf_vocab.py) and the tensors
 convert_hf_to_gguf.py:
 
     families        one row each in gguf_families.FAMILIES (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-                    Mixtral, Gemma 2, Gemma 3, Phi-3, Granite, OLMo 2, gpt-oss): the llama.cpp arch,
+                    Mixtral, Gemma 2, Gemma 3, Phi-3, Granite, OLMo 2, SmolLM3, GLM-4, Cohere,
+                    gpt-oss): the llama.cpp arch,
                     the transforms (q/k permutation, Gemma's norm + 1, expert stacking) and the
                     metadata keys; anything else, or a config the arch's graph would compute
                     differently, is refused naming the family and what to use instead
@@ -362,7 +363,10 @@ def add_model_metadata(writer, config: dict, family: Family, quant: str, name: s
     writer.add_head_count(int(config["num_attention_heads"]))
     writer.add_head_count_kv(int(config.get("num_key_value_heads") or config["num_attention_heads"]))
     writer.add_rope_freq_base(rope["theta"])
-    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    if config.get("rms_norm_eps") is not None:          # RMSNorm families
+        writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    if config.get("layer_norm_eps") is not None:        # LayerNorm ones (Cohere), as TextModel writes both
+        writer.add_layer_norm_eps(float(config["layer_norm_eps"]))
     writer.add_vocab_size(int(config["vocab_size"]))
     writer.add_key_length(head_dim(config))
     writer.add_value_length(head_dim(config))

@@ -7,9 +7,10 @@ load_arch_hparams) reads. Tensor names are never written here: gguf's TensorName
 Hugging Face name (gguf/tensor_mapping.py), and gguf's MODEL_TENSORS says what each arch holds.
 
     transform       what and why
-    permute_qk      llama.cpp's LLAMA and GRANITE graphs rotate interleaved pairs; Hugging Face
-                    rotates half-split heads: q/k rows are reordered (convert's LlamaModel.permute).
-                    Qwen, Gemma, Phi-3, OLMo 2 and gpt-oss rotate as Hugging Face does ("neox").
+    permute_qk      llama.cpp's LLAMA, GRANITE and SMOLLM3 graphs rotate interleaved pairs; Hugging
+                    Face rotates half-split heads: q/k rows are reordered (convert's LlamaModel.permute).
+                    Qwen, Gemma, Phi-3, OLMo 2 and gpt-oss rotate as Hugging Face does ("neox"); GLM-4
+                    and Cohere rotate interleaved pairs in Hugging Face too, so they are written as is.
     norm_shift      Gemma's RMSNorm scales by (1 + w) and stores w; llama.cpp multiplies by the
                     stored tensor, so it is written as w + 1 (every *norm.weight, q/k norms too).
     experts         transformers 5 holds experts fused in 3-D tensors and saves them either so or
@@ -19,7 +20,10 @@ Hugging Face name (gguf/tensor_mapping.py), and gguf's MODEL_TENSORS says what e
                                      columns, with biases (gpt-oss)
     output          "optional": no output.weight when the head is tied (llama.cpp reuses token_embd);
                     "required": the loader insists on output.weight: a tied head is written twice;
-                    "tied": the graph always reuses token_embd (Gemma 2): an untied head is refused.
+                    "tied": the graph always reuses token_embd (Gemma 2, Cohere): an untied head is
+                    refused.
+    fused MLPs      GLM-4's gate_up_proj [2F, H] (gate rows, then up) is llama.cpp's ffn_up as it is:
+                    its glm4 graph splits it with a SwiGLU over the halves, gate first.
 
 Each `check` returns what the llama.cpp graph for that arch would compute differently, so that
 such a model is refused before any weight is read, rather than exported wrong.
@@ -49,6 +53,10 @@ def rope_parameters(config: Config, layer_type: str = "full_attention") -> dict:
 
 def head_dim(config: Config) -> int:
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def partial_rotary_factor(config: Config, default: float = 1.0) -> float:
+    return float(rope_parameters(config).get("partial_rotary_factor", config.get("partial_rotary_factor", default)))
 
 
 def n_experts(config: Config) -> int:
@@ -118,6 +126,20 @@ def phi3_rope(w, c: Config) -> None:
     w.add_sliding_window(int(c.get("sliding_window") or 0))
 
 
+def glm4_rope(w, c: Config) -> None:
+    """Glm4Model.set_gguf_parameters: only the first partial_rotary_factor of each head rotates (0.5 when the
+    config does not say: Glm4Config's own default)."""
+    w.add_rope_dimension_count(int(head_dim(c) * partial_rotary_factor(c, default=0.5)))
+
+
+def cohere_head(w, c: Config) -> None:
+    """CommandR2Model.set_gguf_parameters: the logits' multiplier, and no rope scaling said explicitly."""
+    import gguf
+
+    w.add_logit_scale(float(c.get("logit_scale", 0.0625)))
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
 # --------------------------------------------------------------------------- checks
 # Each takes the config and returns a problem (what llama.cpp would do differently) or None.
 
@@ -135,8 +157,6 @@ def gemma_attention_scale(c: Config) -> str | None:
 
 
 def gemma2_softcaps(c: Config) -> str | None:
-    if not c.get("tie_word_embeddings", True):
-        return "an output head not tied to the embedding (llama.cpp's gemma2 graph always reuses token_embd)"
     if not c.get("attn_logit_softcapping"):
         return "no attn_logit_softcapping (llama.cpp's gemma2 graph always soft-caps attention, by 50 by default)"
     return None
@@ -195,6 +215,36 @@ def granite_head_dim(c: Config) -> str | None:
     return None
 
 
+def smollm3_no_rope(c: Config) -> str | None:
+    """llama.cpp's smollm3 graph skips the rotary embedding on every 4th layer (n_no_rope_layer_step = 4,
+    hard-coded); Hugging Face on the layers no_rope_layers marks 0 (by default every no_rope_layer_interval-th)."""
+    n = int(c["num_hidden_layers"])
+    interval = int(c.get("no_rope_layer_interval") or 4)
+    used = [int(bool(x)) for x in (c.get("no_rope_layers") or [(i + 1) % interval != 0 for i in range(n)])]
+    llama = [int((i + 1) % 4 != 0) for i in range(n)]
+    if used != llama:
+        return (f"no_rope_layers {used} (llama.cpp's smollm3 graph uses rotary embeddings exactly on {llama}: "
+                "every 4th layer without)")
+    return None
+
+
+def glm4_text_rope(c: Config) -> str | None:
+    if "mrope_section" in (c.get("rope_parameters") or {}):
+        return ("multimodal rotary sections (mrope_section: convert the vision-language model with llama.cpp's "
+                "converter)")
+    return None
+
+
+def cohere_qk_norm(c: Config) -> str | None:
+    """llama.cpp's command-r loader reads q/k norms exactly when the model has 64 layers or more (Command R+)."""
+    n = int(c["num_hidden_layers"])
+    if c.get("use_qk_norm") and n < 64:
+        return f"use_qk_norm: true with {n} layers (llama.cpp's command-r graph has q/k norms only from 64 layers on)"
+    if not c.get("use_qk_norm") and n >= 64:
+        return f"use_qk_norm: false with {n} layers (llama.cpp's command-r graph requires q/k norms from 64 layers on)"
+    return None
+
+
 # --------------------------------------------------------------------------- the table
 
 @dataclass(frozen=True)
@@ -240,6 +290,11 @@ FAMILIES: dict[str, Family] = {
     "GraniteForCausalLM": Family("GRANITE", permute_qk=True, rope=("default", "linear"),
                                  keys=(rope_dims, granite_scales), checks=(granite_head_dim, no_sliding_window)),
     "Olmo2ForCausalLM": Family("OLMO2", output="required", keys=(sliding_window,)),
+    "SmolLM3ForCausalLM": Family("SMOLLM3", permute_qk=True, rope=("default", "linear", "yarn"),
+                                 keys=(rope_dims,), checks=(smollm3_no_rope, no_sliding_window)),
+    "Glm4ForCausalLM": Family("GLM4", attention_bias=True, rope=("default", "linear"), keys=(glm4_rope,),
+                              checks=(glm4_text_rope,)),
+    "CohereForCausalLM": Family("COMMAND_R", output="tied", keys=(cohere_head,), checks=(cohere_qk_norm,)),
     "GptOssForCausalLM": Family("GPT_OSS", experts="interleaved", output="required", act=None,
                                 attention_bias=True, rope=("yarn",), keys=(experts, expert_feed_forward,
                                                                            sliding_window),
@@ -263,6 +318,9 @@ def problems_of(family: Family, config: Config) -> list[str]:
         problems.append("mlp_bias: true")
     if config.get("attention_bias") and not family.attention_bias:
         problems.append("attention_bias: true")
+    if family.output == "tied" and not config.get("tie_word_embeddings", True):
+        problems.append(f"an output head not tied to the embedding (llama.cpp's {family.arch.lower()} graph "
+                        "always reuses token_embd)")
     act = config.get("hidden_activation") or config.get("hidden_act")
     if family.act and act and act != family.act:
         problems.append(f"activation {act} (llama.cpp's {family.arch.lower()} graph uses {family.act})")
