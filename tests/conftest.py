@@ -99,3 +99,30 @@ def tiny_run_config(model_dir: Path, output_dir: Path) -> dict:
         "output_dir": str(output_dir),
         "logging": {"progress_bar": False},
     }
+
+
+def random_examples(lengths, vocab: int = 300, seed: int = 0):
+    """Token arrays of the given lengths (ids 3..vocab, past the special tokens), the first third of each
+    without loss, as a chat prompt: for the tests that compare packed, padded and per-family forwards."""
+    import numpy as np
+
+    from mudpuppy.data import Example
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        mask = np.ones(n, dtype=bool)
+        mask[: n // 3] = False
+        out.append(Example(rng.integers(3, vocab, n).astype(np.int32), mask))
+    return out
+
+
+def randomize_lora(model, seed: int = 1, scale: float = 0.2) -> None:
+    """LoRA B starts at zero; a random B makes an adapter change the logits, so a test can see it."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * scale)

@@ -39,10 +39,11 @@ import transformers
 from mudpuppy import create_backend
 from mudpuppy.backends.protocol import Sampling
 from mudpuppy.config import AdapterConfig, DistributedConfig, ModelConfig, TrainingConfig
-from mudpuppy.data import Example, collate, collate_packed
+from mudpuppy.data import collate, collate_packed
 from mudpuppy.errors import MudpuppyError
 
 from .conftest import build_tokenizer
+from .conftest import random_examples, randomize_lora
 
 WINDOW = 6          # shorter than the examples below, so a sliding window acts
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -128,13 +129,7 @@ def load(backend, path, adapter: dict | None = None):
 
 
 def examples(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in lengths:
-        mask = np.ones(n, dtype=bool)
-        mask[: n // 3] = False                # a prompt without loss, as in chat data
-        out.append(Example(rng.integers(3, 300, n).astype(np.int32), mask))
-    return out
+    return random_examples(lengths, 300, seed)
 
 
 def batch_of(lengths=(11, 8), seed=0):
@@ -162,13 +157,6 @@ def moved(before: dict, handle) -> set[str]:
     return {n for n, p in before.items() if not torch.equal(p, now[n].detach())}
 
 
-def randomize_lora(model, seed=1):
-    """LoRA B starts at zero; a random B makes the adapter change the logits, so a test can see it."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
 
 
 # ------------------------------------------------------------------ load

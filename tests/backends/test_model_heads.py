@@ -17,8 +17,9 @@ from mudpuppy import create_backend
 from mudpuppy.backends.torch.attention import choose_attention, decoder_masks, packing_mask
 from mudpuppy.backends.torch.backend import TorchModel
 from mudpuppy.backends.torch.heads import OutputHead, head_inputs, output_head
-from mudpuppy.data import Example, collate, collate_packed
+from mudpuppy.data import collate, collate_packed
 from mudpuppy.errors import MudpuppyError
+from ..conftest import random_examples
 
 VOCAB = 320
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -82,13 +83,7 @@ def handle_for(models, family: str) -> TorchModel:
 
 
 def examples(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in lengths:
-        mask = np.ones(n, dtype=bool)
-        mask[: n // 3] = False                # a prompt without loss, as in chat data
-        out.append(Example(rng.integers(3, VOCAB, n).astype(np.int32), mask))
-    return out
+    return random_examples(lengths, VOCAB, seed)
 
 
 def own_logits(model, batch) -> torch.Tensor:

@@ -21,9 +21,10 @@ from mudpuppy.backends.torch.backend import TorchModel
 from mudpuppy.backends.torch.experts import PackedExperts
 from mudpuppy.backends.torch.quantize import dequantize_model
 from mudpuppy.config import AdapterConfig, ModelConfig
-from mudpuppy.data import Example, collate
+from mudpuppy.data import collate
 from mudpuppy.errors import MudpuppyError
 from tests.conftest import build_tokenizer
+from tests.conftest import random_examples, randomize_lora
 
 VOCAB = 320
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -73,26 +74,13 @@ def load(backend, model_dirs, family: str, **adapter):
 
 
 def examples(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in lengths:
-        mask = np.ones(n, dtype=bool)
-        mask[: n // 3] = False
-        out.append(Example(rng.integers(3, VOCAB, n).astype(np.int32), mask))
-    return out
+    return random_examples(lengths, VOCAB, seed)
 
 
 def batch_of(lengths=(14, 9, 11), seed=0):
     return collate(examples(lengths, seed), pad_id=0)
 
 
-def randomize_lora(model, seed=1):
-    """LoRA B starts at zero; a random B makes the adapter change the logits, so a test can see it."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
 
 
 def expert_lora(model) -> dict[str, torch.nn.Parameter]:

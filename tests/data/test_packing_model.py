@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mudpuppy.data import Batch, Example, collate, collate_packed
+from mudpuppy.data import Batch, collate, collate_packed
 from mudpuppy.errors import MudpuppyError
+
+from ..conftest import random_examples
 
 torch = pytest.importorskip("torch")
 
@@ -27,13 +29,7 @@ def tiny_models(tiny_model_dir):
 
 
 def examples(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in lengths:
-        mask = np.ones(n, dtype=bool)
-        mask[: n // 3] = False
-        out.append(Example(rng.integers(3, 300, n).astype(np.int32), mask))
-    return out
+    return random_examples(lengths, 300, seed)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
