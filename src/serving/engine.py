@@ -63,6 +63,52 @@ class Completion:
         return (self.generated - 1) / span if span > 0 else None
 
 
+class Answer:
+    """One answer's generated ids as they come (the stop token included), turned into final text and a
+    Completion: what the chat REPL's single-sequence path and the server's scheduler both build."""
+
+    def __init__(self, tokenizer, stop_ids, stop: tuple[str, ...] = (),
+                 on_text: Callable[[str], None] | None = None):
+        self.stream = TextStream(tokenizer, stop)
+        self.stop_ids = set(stop_ids)
+        self.on_text = on_text
+        self.ids: list[int] = []          # the answer's ids, the stop token left out
+        self.generated = 0                # ids taken, the stop token included
+        self.first: float | None = None   # seconds to the first id
+        self.reason = "length"
+        self.started = time.perf_counter()
+
+    def add(self, token: int) -> bool:
+        """Take one generated id; False once the answer is complete (its stop token or a stop string)."""
+        self.generated += 1
+        if self.first is None:
+            self.first = time.perf_counter() - self.started
+        if token in self.stop_ids:
+            self.reason = "stop"
+            return False
+        self.ids.append(token)
+        piece = self.stream.add(token)
+        if piece and self.on_text is not None:
+            self.on_text(piece)
+        if self.stream.stopped:
+            self.reason = "stop"
+            return False
+        return True
+
+    def finish(self, prompt_tokens: int) -> Completion:
+        """The rest of the text handed out, and the Completion."""
+        rest = self.stream.flush()
+        if rest and self.on_text is not None:
+            self.on_text(rest)
+        return Completion(self.stream.text, self.ids, prompt_tokens, self.reason, self.first,
+                          time.perf_counter() - self.started, self.generated)
+
+
+def answer_seed(options: GenerationOptions) -> int:
+    """The request's seed, or a fresh one for each sampled answer."""
+    return options.seed if options.seed is not None else secrets.randbelow(2**31)
+
+
 @dataclass
 class ChatModel:
     backend: object
@@ -87,35 +133,10 @@ class ChatModel:
                  on_text: Callable[[str], None] | None = None) -> Completion:
         """The assistant's answer to `messages`, each final piece of text passed to `on_text` as it comes."""
         prompt = self.prompt_ids(messages)
-        stream = TextStream(self.tokenizer, options.stop)
-        stop = set(self.stop_ids)
-        state = {"ids": [], "first": None, "reason": "length", "generated": 0}
-        started = time.perf_counter()
-
-        def on_token(token: int) -> bool:
-            state["generated"] += 1
-            if state["first"] is None:
-                state["first"] = time.perf_counter() - started
-            if token in stop:
-                state["reason"] = "stop"
-                return False
-            state["ids"].append(token)
-            piece = stream.add(token)
-            if piece and on_text is not None:
-                on_text(piece)
-            if stream.stopped:
-                state["reason"] = "stop"
-                return False
-            return True
-
-        seed = options.seed if options.seed is not None else secrets.randbelow(2**31)
+        answer = Answer(self.tokenizer, self.stop_ids, options.stop, on_text)
         stream_ids(self.backend, self.handle, prompt, options.max_new_tokens, self.stop_ids, options.sampling(),
-                   seed, on_token)
-        rest = stream.flush()
-        if rest and on_text is not None:
-            on_text(rest)
-        return Completion(stream.text, state["ids"], len(prompt), state["reason"], state["first"],
-                          time.perf_counter() - started, state["generated"])
+                   answer_seed(options), answer.add)
+        return answer.finish(len(prompt))
 
 
 def load_chat_model(target: str, backend: str | None = None, precision: str = "auto", base_model: str | None = None,

@@ -12,14 +12,13 @@ Only this thread runs the model, and `stop` joins it: at exit no thread is insid
 thread killed inside torch's thread pool aborts the process: "terminate called without an
 active exception").
 
-The request side (`generate`) turns tokens into text (TextStream, stop strings), watches the
-client, and builds the Completion that chat's engine builds for one request.
+The request side (`generate`) turns tokens into text through engine.Answer (stop strings), watches the
+client, and returns the Completion chat's engine returns for one request.
 """
 
 from __future__ import annotations
 
 import queue
-import secrets
 import threading
 import time
 import traceback
@@ -28,8 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..backends.protocol import Sampling
-from .engine import Completion
-from .text import TextStream
+from .engine import Answer, Completion, answer_seed
 
 POLL = 0.05        # seconds between checks of a client while its tokens are awaited
 
@@ -184,14 +182,9 @@ def generate(scheduler: Scheduler, prompt: list[int], options, timeout: float | 
     the server stopping). Raises ClientGone when `client_gone` says the client left (the
     answer stops being generated), GenerationFailed when the model failed, Stopping when the
     server takes no more work."""
-    seed = options.seed if options.seed is not None else secrets.randbelow(2**31)
     deadline = time.monotonic() + timeout if timeout else None
-    ticket = Ticket(prompt, options.max_new_tokens, options.sampling(), seed, deadline)
-    tokenizer = scheduler.model.tokenizer
-    stream = TextStream(tokenizer, options.stop)
-    ids: list[int] = []
-    consumed = 0        # tokens taken from the ticket, the stop token included: Completion.generated
-    started, first, reason = time.perf_counter(), None, "length"
+    ticket = Ticket(prompt, options.max_new_tokens, options.sampling(), answer_seed(options), deadline)
+    answer = Answer(scheduler.model.tokenizer, scheduler.stop_ids, options.stop, on_text)
     scheduler.submit(ticket)
     checked = time.monotonic()
     while True:
@@ -206,33 +199,20 @@ def generate(scheduler: Scheduler, prompt: list[int], options, timeout: float | 
                 raise ClientGone
         if kind is None:
             continue
-        if kind == "end":
+        if kind == "end":       # max_tokens, the time limit, shutdown ("length"), or a failure
             if value.startswith("error"):
                 raise GenerationFailed(value.removeprefix("error: "))
-            if value == "stop":
-                reason = "stop"
             break
-        consumed += 1
-        if first is None:
-            first = time.perf_counter() - started
-        if value in scheduler.stop_ids:
-            continue
-        ids.append(value)
         try:
-            piece = stream.add(value)
-            if piece and on_text is not None:
-                on_text(piece)
+            more = answer.add(value)
         except BaseException:
             ticket.cancel("the answer could not be sent")
             raise
-        if stream.stopped:
-            ticket.cancel("stop string")
-            reason = "stop"
+        if not more:            # its stop token (the scheduler ends the ticket itself) or a stop string
+            if answer.stream.stopped:
+                ticket.cancel("stop string")
             break
-    rest = stream.flush()
-    if rest and on_text is not None:
-        on_text(rest)
-    return Completion(stream.text, ids, len(prompt), reason, first, time.perf_counter() - started, consumed)
+    return answer.finish(len(prompt))
 
 
 class ClientGone(Exception):
