@@ -16,11 +16,11 @@ protocol's. Models whose caches are not plain KV caches, or that lack rotary pos
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..decoding import SlotDecoder
 from .generation import last_logits, left_paddable
 from .sampling import draw
 
@@ -38,22 +38,16 @@ def open_decoder(handle):
     return BatchDecoder(handle) if left_paddable(handle) else SequenceDecoder(handle)
 
 
-class SequenceDecoder:
+class SequenceDecoder(SlotDecoder):
     """Each sequence in caches of its own, one forward pass each per step: any model."""
 
     def __init__(self, handle):
+        super().__init__(handle.model)
         self.handle = handle
-        self.training = handle.model.training
-        handle.model.eval()
-        self.seqs: dict[int, Sequence] = {}
-        self.next_slot = 0
-        self.sizes: Counter = Counter()
 
-    def add(self, prompt: list[int], sampling, seed: int) -> int:
+    def prefill(self, prompt: list[int], sampling, seed: int) -> Sequence:
         from mlx_lm.models.cache import make_prompt_cache
 
-        if not prompt:
-            raise ValueError("a sequence needs a prompt of at least one token")
         key = None
         if sampling is not None:
             _, key = mx.random.split(mx.random.key(seed % 2**64))   # streaming.sampled's first key
@@ -64,34 +58,13 @@ class SequenceDecoder:
             logits = self.handle.model(ids, cache=cache)[:, -1]
         else:
             logits = last_logits(self.handle, ids, cache)
-        slot, self.next_slot = self.next_slot, self.next_slot + 1
-        self.seqs[slot] = Sequence(sampling, key, logits, cache=cache)
-        return slot
+        return Sequence(sampling, key, logits, cache=cache)
 
-    def step(self) -> dict[int, int]:
-        self.feed()
-        out = {}
-        for slot, seq in self.seqs.items():
-            if seq.sampling is None:
-                token = int(mx.argmax(seq.logits[0]).item())
-            else:
-                seq.key, step_key = mx.random.split(seq.key)
-                token = int(draw(seq.logits, seq.sampling, step_key).tolist()[0])
-            seq.token, seq.logits = token, None
-            out[slot] = token
-        if out:
-            self.sizes[len(out)] += 1
-        return out
-
-    def remove(self, slot: int) -> None:
-        self.seqs.pop(slot, None)
-
-    def batch_sizes(self) -> dict[int, int]:
-        return dict(self.sizes)
-
-    def close(self) -> None:
-        self.seqs.clear()
-        self.handle.model.train(self.training)
+    def draw(self, seq: Sequence) -> int:
+        if seq.sampling is None:
+            return int(mx.argmax(seq.logits[0]).item())
+        seq.key, step_key = mx.random.split(seq.key)
+        return int(draw(seq.logits, seq.sampling, step_key).tolist()[0])
 
     def feed(self) -> None:
         for seq in self.seqs.values():

@@ -27,11 +27,11 @@ interface and answers, without the batching.
 from __future__ import annotations
 
 import inspect
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
+from ..decoding import SlotDecoder
 from .logprobs import unwrap
 
 
@@ -68,56 +68,28 @@ def plain_cache(base):
     return cache if all(type(layer) is DynamicLayer for layer in cache.layers) else None
 
 
-class SequenceDecoder:
+class SequenceDecoder(SlotDecoder):
     """Each sequence in a cache of its own, one forward pass each per step: any causal LM."""
 
     def __init__(self, backend, handle):
+        super().__init__(handle.model)
         self.backend, self.handle = backend, handle
-        self.model = handle.model
         self.device = backend.plan.device
-        self.training = self.model.training
-        self.model.eval()
         base = unwrap(self.model)
         params = inspect.signature(base.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
         self.takes_positions = "position_ids" in params
-        self.seqs: dict[int, Sequence] = {}
-        self.next_slot = 0
-        self.sizes: Counter = Counter()
 
-    # ----------------------------------------------------------------- the protocol
     @torch.no_grad()
-    def add(self, prompt: list[int], sampling, seed: int) -> int:
-        if not prompt:
-            raise ValueError("a sequence needs a prompt of at least one token")
+    def prefill(self, prompt: list[int], sampling, seed: int) -> Sequence:
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        cache = self.new_cache()
-        logits, cache = self.forward(ids, torch.ones_like(ids), None, cache)
-        slot, self.next_slot = self.next_slot, self.next_slot + 1
-        self.seqs[slot] = Sequence(*self.sampler(sampling, seed), length=len(prompt), logits=logits[0], cache=cache)
-        return slot
+        logits, cache = self.forward(ids, torch.ones_like(ids), None, self.new_cache())
+        return Sequence(*self.sampler(sampling, seed), length=len(prompt), logits=logits[0], cache=cache)
 
     @torch.no_grad()
     def step(self) -> dict[int, int]:
-        self.feed()
-        out = {}
-        for slot, seq in self.seqs.items():
-            seq.token, seq.logits = self.draw(seq), None
-            out[slot] = seq.token
-        if out:
-            self.sizes[len(out)] += 1
-        return out
-
-    def remove(self, slot: int) -> None:
-        self.seqs.pop(slot, None)
-
-    def batch_sizes(self) -> dict[int, int]:
-        return dict(self.sizes)
-
-    def close(self) -> None:
-        self.seqs.clear()
-        self.model.train(self.training)
+        return super().step()
 
     # ----------------------------------------------------------------- the parts
     def new_cache(self):

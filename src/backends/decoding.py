@@ -1,0 +1,56 @@
+"""What every runtime's continuous-batching `Decoder` (protocol.py) shares: slots, the step loop and
+the batch-size counts. No runtime here: backends/torch/batch_decode.py and backends/mlx/batch_decode.py
+supply how a prompt is prefilled, how the sequences' last tokens go through the model, and how one
+token is drawn.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class SlotDecoder:
+    """A runtime's decoder subclasses this with
+
+        prefill(prompt, sampling, seed) -> sequence   the prompt through the model: an object with
+                                                      `token` and `logits` attributes
+        feed()                                        every sequence's last drawn token through the model,
+                                                      its next logits into `seq.logits`
+        draw(seq) -> int                              one token from `seq.logits`
+
+    and `model`, the module whose training mode `close` puts back."""
+
+    def __init__(self, model):
+        self.model = model
+        self.training = model.training
+        model.eval()
+        self.seqs: dict = {}               # slot -> the runtime's sequence
+        self.next_slot = 0
+        self.sizes: Counter = Counter()    # batch size -> steps decoded at that size
+
+    def add(self, prompt: list[int], sampling, seed: int) -> int:
+        if not prompt:
+            raise ValueError("a sequence needs a prompt of at least one token")
+        slot, self.next_slot = self.next_slot, self.next_slot + 1
+        self.seqs[slot] = self.prefill(prompt, sampling, seed)
+        return slot
+
+    def step(self) -> dict[int, int]:
+        self.feed()
+        out = {}
+        for slot, seq in self.seqs.items():
+            seq.token, seq.logits = self.draw(seq), None
+            out[slot] = seq.token
+        if out:
+            self.sizes[len(out)] += 1
+        return out
+
+    def remove(self, slot: int) -> None:
+        self.seqs.pop(slot, None)
+
+    def batch_sizes(self) -> dict[int, int]:
+        return dict(self.sizes)
+
+    def close(self) -> None:
+        self.seqs.clear()
+        self.model.train(self.training)
