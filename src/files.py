@@ -306,6 +306,14 @@ def write_errors(what: str, directory: str | Path, cleanup: Path | None = None, 
         raise WriteFailed(f"{what}: {problem}; {kept or 'nothing written before was changed'}") from exc
 
 
+def write_json_atomic(path: str | Path, data) -> None:
+    """`data` as indented JSON at `path`, written beside it and renamed over it: a reader never sees half."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def move_into(staging: Path, target: Path) -> None:
     """Each entry of `staging` renamed into `target` (same file system: a rename never half-copies), replacing
     what is there; then `staging` goes. A folder of the same name is replaced whole."""

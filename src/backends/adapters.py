@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MudpuppyError
-from ..files import check_safetensors
+from ..files import check_safetensors, write_json_atomic
 
 CONFIG_FILE = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -151,12 +151,6 @@ def write_safetensors(path: Path, tensors: dict[str, RawTensor], metadata: dict[
         fh.write(head)
         for blob in chunks:
             fh.write(blob)
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, data: dict) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -526,7 +520,7 @@ def write_peft(adapter: Adapter, out: str | Path) -> Path:
         tensors[f"{PEFT_PREFIX}{peft_expert_key(adapter, path)}.lora_A.weight"] = ea.lora_a
         tensors[f"{PEFT_PREFIX}{peft_expert_key(adapter, path)}.lora_B.weight"] = ea.lora_b
     write_safetensors(root / PEFT_WEIGHTS, tensors, {"format": "pt"})
-    write_json(root / CONFIG_FILE, peft_config_for(adapter))
+    write_json_atomic(root / CONFIG_FILE, peft_config_for(adapter))
     return root
 
 
@@ -595,7 +589,7 @@ def write_mlx(adapter: Adapter, out: str | Path) -> Path:
             tensors[f"{path}.m"] = mod.magnitude
     tensors.update(adapter.full)   # a trained head keeps its model name (score.weight), as mlx-lm's weights do
     write_safetensors(root / MLX_WEIGHTS, tensors, {"format": "mlx"})
-    write_json(root / CONFIG_FILE, mlx_config_for(adapter))
+    write_json_atomic(root / CONFIG_FILE, mlx_config_for(adapter))
     return root
 
 

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import OutputExists
+from ..files import write_json_atomic
 from .metrics import Row
 
 EVAL_JSON = "eval.json"
@@ -75,8 +76,6 @@ def markdown_table(report) -> str:
 
 def write_report(report, out: Path, echo=print) -> list[str]:
     """Charts, eval.md, then eval.json; returns the chart file names."""
-    from ..training.outputs import write_json_atomic     # (training imports evaluation: import when used)
-
     out.mkdir(parents=True, exist_ok=True)
     remove_old_charts(out)
     charts = write_charts(report, out)

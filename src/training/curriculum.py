@@ -45,6 +45,7 @@ from pydantic import ValidationError
 from ..config import ConfigError, Issue, RunConfig, _missing_files, _pydantic_issues, _read_yaml, read_source
 from ..errors import MudpuppyError, OutputExists
 from ..evaluation import trained
+from ..files import write_json_atomic
 from . import outputs, rundir
 
 STATE = "curriculum.json"
@@ -339,7 +340,7 @@ def _write_state(out: Path, cur: Curriculum, rows: list[dict], finished: bool, r
     replaced_before = replaced_before or previous.get("replaced_before")
     if replaced_before:
         state["replaced_before"] = replaced_before
-    outputs.write_json_atomic(out / STATE, state)
+    write_json_atomic(out / STATE, state)
     tmp = out / (REPORT + ".tmp")
     tmp.write_text(report_markdown(rows, charts or []), encoding="utf-8")
     os.replace(tmp, out / REPORT)

@@ -29,6 +29,7 @@ from ..distributed import current as current_ranks
 from ..errors import MudpuppyError, OutOfDeviceMemory
 from ..monitor.live import active as active_dashboard
 from . import checkpoints, outputs
+from .rundir import STAGING_FINAL
 from .schedule import learning_rate
 from .trackers import open_trackers
 
@@ -281,9 +282,6 @@ def save_trained(cfg, backend, handle, out: Path) -> None:
             backend.save_adapter(handle, str(stage))       # collective in a distributed run; rank 0 writes
             if current_ranks().is_main:
                 handle.tokenizer.save_pretrained(str(stage))
-
-
-STAGING_FINAL = ".saving-final"
 
 
 @contextlib.contextmanager

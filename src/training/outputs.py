@@ -8,7 +8,6 @@ files go, the config copy comes). The marker and the lock live in rundir.py.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import MudpuppyError, OutputExists
+from ..files import write_json_atomic
 from . import rundir
 
 SUMMARY = "run_summary.json"
@@ -167,12 +167,6 @@ def write_summary(out: Path, data) -> None:
         write_json_atomic(out / SUMMARY, data)
         rundir.note_written(out)
         rundir.end_run(out)             # the run has written its last file: another may use the directory
-
-
-def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def write_config(out: Path, cfg) -> None:

@@ -40,6 +40,7 @@ import time
 from ..data import Batcher, load_data, prepare_sft_data
 from ..errors import MudpuppyError
 from ..evaluation import EvalResult, evaluate
+from ..files import write_json_atomic
 from . import outputs
 from .loop import (
     Interrupted, LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, total_steps_for,
@@ -209,7 +210,7 @@ def _ptq_baseline(cfg, backend, handle, trainer, batcher, state, steps, branch_a
     baseline = {"steps": state.step, "stopped_early": stopped,
                 "final_train_loss": state.losses[-1] if state.losses else None,
                 "fine_tuned": plain.as_dict(), "ptq": ptq.as_dict()}
-    outputs.write_json_atomic(out / BASELINE, baseline)
+    write_json_atomic(out / BASELINE, baseline)
     echo(f"PTQ baseline: fine-tuned (float) {_describe(plain)}; round-to-nearest {_describe(ptq)}")
     backend.load_training_state(handle, trainer, str(point))
     batcher.load_state_dict(kept["batcher"])

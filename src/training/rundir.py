@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import OutputExists
+from ..files import write_json_atomic
 
 try:
     import fcntl
@@ -33,8 +34,9 @@ LOCK = ".mudpuppy-run.lock"
 FORMAT = 1
 OWN = frozenset({MARKER, LOCK})          # never listed, never removed: they say whose directory it is
 # Names every run writes, the run's even when a killed run had no time to list them.
+STAGING_FINAL = ".saving-final"          # where the final save writes first (loop.staged_final)
 ALWAYS = frozenset({"config.yaml", "metrics.jsonl", "run_summary.json", "checkpoints", "completions.jsonl",
-                    "heldout-eval", ".saving-final"})     # .saving-final: the final save's staging (loop.py)
+                    "heldout-eval", STAGING_FINAL})
 
 
 class RunDirInUse(OutputExists):
@@ -116,10 +118,7 @@ _listed: dict[str, set[str]] = {}        # directory -> the names its marker lis
 
 
 def _store(out: Path, marker: dict) -> None:
-    path = Path(out) / MARKER
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json_atomic(Path(out) / MARKER, marker)
 
 
 # --------------------------------------------------------------------------- what --overwrite refuses
