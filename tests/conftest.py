@@ -117,12 +117,13 @@ def random_examples(lengths, vocab: int = 300, seed: int = 0):
     return out
 
 
-def randomize_lora(model, seed: int = 1, scale: float = 0.2) -> None:
-    """LoRA B starts at zero; a random B makes an adapter change the logits, so a test can see it."""
+def randomize_lora(model, seed: int = 1, scale: float = 0.2, part: str = "lora_B") -> None:
+    """LoRA B starts at zero; a random B makes an adapter change the logits, so a test can see it.
+    part="lora_" randomizes A too (every gradient non-zero)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
+            if part in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * scale)

@@ -117,9 +117,9 @@ def load_gguf(path):
 
 
 def stored_as(model, quant: str):
-    """The model with each matrix rounded as the GGUF stores it (norms stay float32): float16, or
-    gguf's own Q8_0 quantize-then-dequantize. Q8_0 blocks run along a row, so the exporter's row
-    permutation of q/k commutes with it."""
+    """The model with each matrix (3-D expert stacks too) rounded as the GGUF stores it; norms, biases and
+    routers stay float32, as llama.cpp keeps them: float16, or gguf's own Q8_0 quantize-then-dequantize.
+    Q8_0 blocks run along a row, so the exporter's row permutation of q/k commutes with it."""
     import copy
 
     import gguf
@@ -127,8 +127,8 @@ def stored_as(model, quant: str):
 
     rounded = copy.deepcopy(model)
     with torch.no_grad():
-        for p in rounded.parameters():
-            if p.ndim != 2 or quant == "f32":
+        for name, p in rounded.named_parameters():
+            if p.ndim < 2 or quant == "f32" or name.endswith(("mlp.gate.weight", "router.weight")):
                 continue
             if quant == "f16":
                 p.copy_(p.half().float())

@@ -25,7 +25,7 @@ from mudpuppy.export import ExportRequest, export_model
 
 from ..conftest import build_tokenizer
 from .conftest import logits
-from .test_gguf import llama_cpp_rows
+from .test_gguf import llama_cpp_rows, stored_as
 
 QUIET = dict(echo=lambda *_a, **_k: None)
 TEXT = "turn on the kitchen lights and then switch off the bedroom fan please"
@@ -99,25 +99,6 @@ def exports(tmp_path_factory):
             export_model(ExportRequest(str(src), "gguf", str(root / quant), quant=quant), **QUIET)
         built[family] = (model, tok, src, root)
     return built
-
-
-def stored_as(model, quant: str):
-    """The model with each matrix (3-D expert stacks too) rounded as the GGUF stores it; norms,
-    biases and routers stay float32, as llama.cpp keeps them."""
-    import gguf
-    import torch
-
-    rounded = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in rounded.named_parameters():
-            if p.ndim < 2 or quant == "f32" or name.endswith(("mlp.gate.weight", "router.weight")):
-                continue
-            if quant == "f16":
-                p.copy_(p.half().float())
-            else:
-                T = gguf.GGMLQuantizationType.Q8_0
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), T), T)))
-    return rounded
 
 
 def read_back(path):

@@ -18,7 +18,7 @@ from mudpuppy.data import prepare_data
 from mudpuppy.data.pairs import collate_items, kto_items, pair_items
 from mudpuppy.training.preference import PreferenceObjective, precompute_reference
 
-from ..conftest import QUICKSTART_DATA
+from ..conftest import QUICKSTART_DATA, randomize_lora
 
 pytestmark = pytest.mark.mlx
 TOL = 1e-4
@@ -52,17 +52,11 @@ def prepared_items(cfg, tokenizer, kind: str):
 def same_adapter(backends, cfg, tmp_path, head=None):
     """Both runtimes on the tiny model with one PEFT adapter whose B is random (policy != reference);
     with `head`, the scalar head (saved with the adapter) is shared too."""
-    import torch
-
     torch_backend, mlx_backend = backends
     torch_backend.seed(cfg.training.seed)
     th = torch_backend.load_model(cfg.model, "fp32", head=head)
     torch_backend.attach_adapter(th, cfg.adapter)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in th.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    randomize_lora(th.model, seed=0, scale=0.3)
     torch_backend.save_adapter(th, str(tmp_path / "adapter"))
     mh = mlx_backend.load_model(cfg.model, "fp32", head=head)
     mlx_backend.load_adapter(mh, str(tmp_path / "adapter"), trainable=True)

@@ -45,7 +45,7 @@ from mudpuppy.data.pairs import collate_items, kto_items, pair_items, role_batch
 from mudpuppy.training.preference import PreferenceObjective
 from mudpuppy.training.reward import RewardObjective
 
-from ..conftest import QUICKSTART_DATA
+from ..conftest import QUICKSTART_DATA, randomize_lora
 
 TOL = 1e-5
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -69,13 +69,9 @@ def tokenized(tiny_model_dir, tmp_path, data_file: str, method: str):
     return tok, prepare_data(cfg, tok).train
 
 
-def randomise_lora(model, seed: int = 0, scale: float = 0.3) -> None:
+def randomise_lora(model) -> None:
     """Non-zero LoRA weights: the policy moves away from the reference, every gradient is non-zero."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    randomize_lora(model, seed=0, scale=0.3, part="lora_")
 
 
 def lora_grads(model) -> dict[str, torch.Tensor]:

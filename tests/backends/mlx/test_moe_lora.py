@@ -23,22 +23,12 @@ from mudpuppy.backends import adapters as fmt
 from mudpuppy.config import AdapterConfig, TrainingConfig
 from mudpuppy.errors import MudpuppyError
 
+from ...conftest import randomize_lora
 from .conftest import model_cfg
-from .test_families import _flat, batch, build
+from .test_families import _flat, batch, model_dirs  # noqa: F401 - model_dirs: the fixture
 
 pytestmark = pytest.mark.mlx
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    made = {}
-
-    def get(family):
-        if family not in made:
-            made[family] = build(family, tmp_path_factory.mktemp(family))
-        return made[family]
-    return get
 
 
 def random_peft_adapter(path, out):
@@ -50,11 +40,7 @@ def random_peft_adapter(path, out):
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
                         target_parameters=["experts.gate_up_proj", "experts.down_proj"])
     peft_model = get_peft_model(model, config)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    randomize_lora(peft_model, seed=0, scale=0.05, part="lora_")
     peft_model.save_pretrained(str(out))
     return out
 
