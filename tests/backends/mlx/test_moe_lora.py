@@ -31,16 +31,17 @@ pytestmark = pytest.mark.mlx
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
 
 
-def random_peft_adapter(path, out):
-    """PEFT's own adapter (attention + fused experts), every lora weight random, saved as PEFT saves it."""
+def random_peft_adapter(path, out, scale: float = 0.05, experts: bool = True):
+    """PEFT's own adapter (attention, and the fused experts unless `experts` is False), every lora weight
+    random with std `scale`, saved as PEFT saves it."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
-                        target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+                        target_parameters=["experts.gate_up_proj", "experts.down_proj"] if experts else None)
     peft_model = get_peft_model(model, config)
-    randomize_lora(peft_model, seed=0, scale=0.05, part="lora_")
+    randomize_lora(peft_model, seed=0, scale=scale, part="lora_")
     peft_model.save_pretrained(str(out))
     return out
 
@@ -118,3 +119,26 @@ def test_train_router_and_dora_on_experts_are_refused_by_name(model_dirs, mlx_ba
         mlx_backend.attach_adapter(m, AdapterConfig(type="lora", r=4, train_router=True))
     with pytest.raises(MudpuppyError, match="without DoRA"):
         mlx_backend.attach_adapter(m, AdapterConfig(type="dora", r=4))
+
+
+GPT_OSS_GAP = pytest.mark.xfail(strict=True, reason=(
+    "gpt-oss on MLX drifts from torch as activations grow (1.6e-4 with attention and experts adapted at std 0.2, "
+    "1.2e-4 with attention only; its base model is already 1.1e-5 away): cause not pinned (issue 26)"))
+
+
+@pytest.mark.parametrize("family,experts", [
+    ("qwen3_moe", True), ("mixtral", True),
+    pytest.param("gpt_oss", True, marks=GPT_OSS_GAP), pytest.param("gpt_oss", False, marks=GPT_OSS_GAP)])
+def test_larger_adapters_still_give_torchs_logits(family, experts, model_dirs, mlx_backend, torch_backend, tmp_path):
+    """Adapter weights of std 0.2 (4x the test above): Qwen3-MoE and Mixtral stay within 1e-4 of torch;
+    gpt-oss does not, with or without the experts adapted (the figures in docs/models.md)."""
+    path = model_dirs(family)
+    adapter = random_peft_adapter(path, tmp_path / "peft", scale=0.2, experts=experts)
+    b = batch()
+    real = b.attention_mask.astype(bool)
+    t = torch_backend.load_model(model_cfg(path), "fp32")
+    torch_backend.load_adapter(t, str(adapter))
+    m = mlx_backend.load_model(model_cfg(path), "fp32")
+    mlx_backend.load_adapter(m, str(adapter))
+    diff = float(np.abs(mlx_backend.logits(m, b) - torch_backend.logits(t, b))[real].max())
+    assert diff < 1e-4, f"{family}: {diff:.2e} from torch's logits"
