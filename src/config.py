@@ -46,6 +46,10 @@ class ModelConfig(_Strict):
     freeze_vision: bool = Field(
         True, description="vision-language models: the vision tower stays frozen and LoRA adapts the language "
                           "model only; false trains the vision tower too (in full, or with LoRA on its linears)")
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0.0, description="mixture-of-experts: weight of the router's load-balancing loss in every training "
+                                  "objective; null keeps the model's config (on only where it sets "
+                                  "output_router_logits), 0 turns it off; refused for a model without a router")
 
 
 class AdapterConfig(_Strict):

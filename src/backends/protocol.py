@@ -229,11 +229,14 @@ class BackendProtocol(Protocol):
     def evaluate_loss(self, handle: ModelHandle, batches: list["Batch"]) -> tuple[float, int]:
         """Summed token loss and the number of loss-carrying tokens."""
 
-    def sequence_logprobs(self, handle: ModelHandle, batch: "Batch", grad: bool = True) -> tuple[Any, "np.ndarray"]:
+    def sequence_logprobs(self, handle: ModelHandle, batch: "Batch", grad: bool = True,
+                          router_aux: bool = False) -> tuple[Any, ...]:
         """(summed log p(target) per row [B] as a native array, loss-carrying tokens per row [B]).
 
         The same masking as SFT: positions with label != -100. With `grad` the
-        result carries gradient to the trainable weights."""
+        result carries gradient to the trainable weights. With `router_aux` a third item: the
+        mixture-of-experts router's weighted load-balancing loss of the same forward, a native
+        scalar (zero where the run adds none: routing.py), which training objectives add."""
 
     def reference_logprobs(self, handle: ModelHandle, batch: "Batch") -> Any:
         """Summed log-probs per row [B] under the reference: the model with its adapter switched
@@ -280,10 +283,11 @@ class BackendProtocol(Protocol):
 
     def token_logprobs(
         self, handle: ModelHandle, batch: "Batch", grad: bool = True, temperature: float = 1.0,
-        reference: bool = False, entropy: bool = False,
-    ) -> tuple[Any, "np.ndarray | None"]:
+        reference: bool = False, entropy: bool = False, router_aux: bool = False,
+    ) -> tuple[Any, ...]:
         """(log p(target) at every position whose label is not -100, row-major [N] float32 native;
-        the entropy of the distribution there [N] as numpy, when `entropy`, else None).
+        the entropy of the distribution there [N] as numpy, when `entropy`, else None); with
+        `router_aux` a third item, as sequence_logprobs'.
 
         The logits are divided by `temperature` first, as when the tokens were sampled. Only
         those positions go through the output head, a chunk at a time, so [N, vocab] logits

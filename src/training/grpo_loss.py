@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backends.routing import with_router_aux
 from ..data import Batch
 
 STD_EPS = 1e-4
@@ -163,10 +164,12 @@ class GrpoObjective:
 
     def __call__(self, handle, batch: RolloutBatch, grad: bool = True):
         ops, c = self.ops, self.cfg
-        logps, entropy = self.backend.token_logprobs(handle, batch.batch, grad=grad, temperature=c.temperature,
-                                                     entropy=True)
+        logps, entropy, aux = self.backend.token_logprobs(handle, batch.batch, grad=grad, temperature=c.temperature,
+                                                          entropy=True, router_aux=True)
         total, coef_1, adv, kl = policy_loss(ops, logps, batch, c, c.max_completion_length)
-        return total, self.metrics(batch, coef_1, adv, kl, entropy)
+        # TRL adds the term once per micro-batch, divided by the accumulation steps: once per unit of count().
+        total, aux_metric = with_router_aux(ops, total, aux, self.count(batch))
+        return total, {**self.metrics(batch, coef_1, adv, kl, entropy), **aux_metric}
 
     def metrics(self, batch: RolloutBatch, coef_1, adv, kl, entropy) -> dict[str, float]:
         """TRL's names: clip ratios (token means; sequence means at sequence level), entropy, kl."""

@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from ..backends.routing import with_router_aux
 from ..data.pairs import collate_items, kto_items, pair_items, role_batch, with_reference
 from .runner import Recipe, run_recipe
 
@@ -125,7 +126,7 @@ class PreferenceObjective:
 
     def pairs(self, handle, batch, grad: bool):
         ops, c, n = self.ops, self.cfg, batch.size
-        logps, tokens = self.backend.sequence_logprobs(handle, batch.batch, grad)
+        logps, tokens, aux = self.backend.sequence_logprobs(handle, batch.batch, grad, router_aux=True)
         lengths = ops.from_numpy(np.maximum(tokens, 1).astype(np.float32))
         chosen, rejected, n_chosen, n_rejected = logps[:n], logps[n:], lengths[:n], lengths[n:]
         extra = {}
@@ -151,11 +152,12 @@ class PreferenceObjective:
             nll = -ops.sum(chosen) / float(max(int(tokens[:n].sum()), 1))
             total = nll * float(n) + ops.sum(losses)
             extra = {"nll": ops.to_float(nll), "log_odds": float(ops.to_numpy(log_odds).mean())}
-        return total, {**reward_metrics(ops.to_numpy(r_chosen), ops.to_numpy(r_rejected)), **extra}
+        total, aux_metric = with_router_aux(ops, total, aux, n)
+        return total, {**reward_metrics(ops.to_numpy(r_chosen), ops.to_numpy(r_rejected)), **extra, **aux_metric}
 
     def kto(self, handle, batch, grad: bool):
         ops, c, n = self.ops, self.cfg, batch.size
-        policy, _ = self.backend.sequence_logprobs(handle, role_batch(batch, 0), grad)
+        policy, _, aux = self.backend.sequence_logprobs(handle, role_batch(batch, 0), grad, router_aux=True)
         # The KL baseline carries no gradient (as in TRL): the policy's side needs none either.
         policy_kl, _ = self.backend.sequence_logprobs(handle, role_batch(batch, 1), grad=False)
         ref = self.reference(handle, batch)
@@ -172,7 +174,8 @@ class PreferenceObjective:
             metrics["reward_rejected"] = float(r[~desirable].mean())
         if desirable.any() and (~desirable).any():
             metrics["reward_margin"] = metrics["reward_chosen"] - metrics["reward_rejected"]
-        return ops.sum(losses), metrics
+        total, aux_metric = with_router_aux(ops, ops.sum(losses), aux, n)
+        return total, {**metrics, **aux_metric}
 
 
 def reward_metrics(chosen: np.ndarray, rejected: np.ndarray) -> dict[str, float]:

@@ -18,7 +18,7 @@ import transformers
 from mudpuppy import create_backend
 from mudpuppy.backends.torch.attention import choose_attention
 from mudpuppy.backends.torch.backend import TorchModel
-from mudpuppy.backends.torch.experts import PackedExperts
+from mudpuppy.backends.torch.experts import PackedExperts, set_router_aux_loss
 from mudpuppy.backends.torch.quantize import dequantize_model
 from mudpuppy.config import AdapterConfig, ModelConfig
 from mudpuppy.data import collate
@@ -152,6 +152,73 @@ def test_training_loss_is_the_models_own_with_the_router_aux_loss(backend, famil
     assert float(total) / n == pytest.approx(float(theirs.loss), abs=1e-5, rel=1e-5)
     assert float(total - plain) / n == pytest.approx(0.5 * float(theirs.aux_loss), rel=1e-5)
     assert float(total - plain) / n > 0.1                 # the term is really there
+
+
+def aux_handle(backend, model_dirs, family, coef):
+    cfg = AdapterConfig(r=4, alpha=8)
+    handle = backend.load_model(ModelConfig(base_model=str(model_dirs[family]), router_aux_loss_coef=coef),
+                                precision="fp32", adapter=cfg)
+    backend.attach_adapter(handle, cfg)
+    randomize_lora(handle.model)
+    return handle
+
+
+def their_aux_loss(handle, batch) -> float:
+    """The weighted term the model's own forward (PEFT's wrapper over it) adds to its loss."""
+    with torch.no_grad():
+        out = handle.model(input_ids=torch.as_tensor(batch.input_ids), attention_mask=torch.as_tensor(batch.attention_mask),
+                           output_router_logits=True)
+    return 0.5 * float(out.aux_loss)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_log_prob_forwards_carry_the_models_router_aux_loss(backend, model_dirs, family):
+    """What DPO/IPO/SimPO/ORPO/KTO (sequence_logprobs) and GRPO (token_logprobs) add, as TRL adds it."""
+    handle = aux_handle(backend, model_dirs, family, 0.5)
+    batch = batch_of()
+    expected = their_aux_loss(handle, batch)
+    assert expected > 0.1
+    plain = backend.sequence_logprobs(handle, batch, grad=False)
+    logps, counts, aux = backend.sequence_logprobs(handle, batch, grad=False, router_aux=True)
+    assert float(aux) == pytest.approx(expected, rel=1e-5)
+    assert torch.equal(logps, plain[0]) and (counts == plain[1]).all()
+    logps, _, aux = backend.token_logprobs(handle, batch, grad=True, router_aux=True)
+    assert float(aux.detach()) == pytest.approx(expected, rel=1e-5)
+    (logps.sum() + aux).backward()        # the term carries gradient to the adapter
+    assert any(p.grad is not None for p in expert_lora(handle.model).values())
+
+
+def test_router_aux_loss_coef_turns_the_term_on_and_off_and_is_refused_without_a_router(backend, model_dirs,
+                                                                                        tiny_model_dir):
+    batch = batch_of()
+    off = aux_handle(backend, model_dirs, "mixtral", 0.0)
+    assert float(backend.sequence_logprobs(off, batch, grad=False, router_aux=True)[2]) == 0.0
+    default = aux_handle(backend, model_dirs, "mixtral", None)      # the saved config leaves it off
+    assert float(backend.sequence_logprobs(default, batch, grad=False, router_aux=True)[2]) == 0.0
+    with torch.no_grad():
+        total, n = backend.loss_sum(default, batch)
+        plain, _ = backend.loss_sum(default, batch, router_aux=False)
+    assert float(total) == float(plain)
+    with pytest.raises(MudpuppyError, match="router_aux_loss_coef.*no router"):
+        backend.load_model(ModelConfig(base_model=str(tiny_model_dir), router_aux_loss_coef=0.01), precision="fp32")
+
+
+def test_the_preference_objective_adds_the_term_once_per_pair(backend, model_dirs):
+    from mudpuppy.config import PreferenceConfig
+    from mudpuppy.data.pairs import Item, collate_items
+    from mudpuppy.training.preference import PreferenceObjective
+
+    handle = aux_handle(backend, model_dirs, "qwen3_moe", 0.5)
+    exs = examples((9, 12, 10, 7))
+    pairs = collate_items([Item((exs[0], exs[1])), Item((exs[2], exs[3]))], pad_id=0)
+    objective = PreferenceObjective(backend, PreferenceConfig(type="simpo"))
+    total, metrics = objective(handle, pairs, grad=False)
+    logps, _, aux = backend.sequence_logprobs(handle, pairs.batch, grad=False, router_aux=True)
+    assert metrics["router_aux_loss"] == pytest.approx(float(aux), rel=1e-6)
+    set_router_aux_loss(handle.model.get_base_model(), 0.0)        # the same weights without the term
+    total_off, metrics_off = objective(handle, pairs, grad=False)
+    assert "router_aux_loss" not in metrics_off
+    assert float(total - total_off) == pytest.approx(float(aux) * pairs.size, rel=1e-5)
 
 
 # ------------------------------------------------------------------ QLoRA

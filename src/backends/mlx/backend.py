@@ -35,6 +35,7 @@ from .families import check_expert_targets, family_name
 from .loading import DTYPES, HEAD_NAME, MlxModel, count_parameters, frozen_base, head_config, load_model
 from .ops import MlxOps
 from .quantize import quant_format, quantize_base
+from .router_loss import router_aux_loss, router_tape
 from .state import load_training_state, save_training_state
 from .trainer import MlxTrainer
 
@@ -202,15 +203,21 @@ class MlxBackend:
             count += batch.loss_tokens
         return total, count
 
-    def sequence_logprobs(self, handle: MlxModel, batch, grad: bool = True) -> tuple[mx.array, np.ndarray]:
+    def sequence_logprobs(self, handle: MlxModel, batch, grad: bool = True, router_aux: bool = False):
         """Summed log p(target) per row [B] (gradient flows inside a training step unless `grad`
         is off), and the loss-carrying tokens per row. Without `grad` the model runs in eval
-        mode (no dropout), as on torch."""
-        if grad:
-            return forward.sequence_logprobs(handle, batch)
-        with eval_mode(handle.model):
-            sums, counts = forward.sequence_logprobs(handle, batch)
-        return mx.stop_gradient(sums), counts
+        mode (no dropout), as on torch. `router_aux`: a third item, the routers' weighted
+        load-balancing loss of the same forward (router_loss.py; zero where the run adds none)."""
+        with router_tape(router_aux and handle.router_aux_coef > 0) as tape:
+            if grad:
+                sums, counts = forward.sequence_logprobs(handle, batch)
+            else:
+                with eval_mode(handle.model):
+                    sums, counts = forward.sequence_logprobs(handle, batch)
+                sums = mx.stop_gradient(sums)
+        if not router_aux:
+            return sums, counts
+        return sums, counts, self._router_aux(handle, tape, batch, grad)
 
     def reference_logprobs(self, handle: MlxModel, batch) -> mx.array:
         """The same, with the adapter switched off: the base model is the reference, no second copy."""
@@ -219,10 +226,15 @@ class MlxBackend:
             return mx.stop_gradient(sums)
 
     def token_logprobs(self, handle: MlxModel, batch, grad: bool = True, temperature: float = 1.0,
-                       reference: bool = False, entropy: bool = False) -> tuple[mx.array, np.ndarray | None]:
+                       reference: bool = False, entropy: bool = False, router_aux: bool = False):
         """log p(target) under logits / temperature at every label != -100 position, row-major [N] float32,
         and the entropy there (numpy) when asked; the head runs a chunk of positions at a time (logprobs.py).
-        `reference`: adapter off, eval mode, no gradient; without `grad`: eval mode, no gradient."""
+        `reference`: adapter off, eval mode, no gradient; without `grad`: eval mode, no gradient.
+        `router_aux`: a third item, as sequence_logprobs'."""
+        if router_aux:
+            with router_tape(handle.router_aux_coef > 0) as tape:
+                logps, entropies = self.token_logprobs(handle, batch, grad, temperature, reference, entropy)
+            return logps, entropies, self._router_aux(handle, tape, batch, grad and not reference)
         if reference:
             with adapters_disabled(handle.model), eval_mode(handle.model):
                 logps, entropies = logprobs.token_logprobs(handle, batch, temperature, entropy)
@@ -232,6 +244,13 @@ class MlxBackend:
         with eval_mode(handle.model):
             logps, entropies = logprobs.token_logprobs(handle, batch, temperature, entropy)
         return mx.stop_gradient(logps), entropies
+
+    @staticmethod
+    def _router_aux(handle: MlxModel, tape: list | None, batch, grad: bool) -> mx.array:
+        if tape is None:
+            return mx.zeros(())
+        term = router_aux_loss(handle, tape, batch)
+        return term if grad else mx.stop_gradient(term)
 
     def sequence_scores(self, handle: MlxModel, batch, grad: bool = True) -> mx.array:
         """The score per row [B], at each row's last real token (transformers' rule)."""

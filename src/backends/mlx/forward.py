@@ -23,6 +23,7 @@ import numpy as np
 from mlx import nn
 
 from ...errors import MudpuppyError
+from .router_loss import router_aux_loss, router_tape
 
 IGNORE_INDEX = -100
 
@@ -233,10 +234,16 @@ def target_logprobs(handle, batch) -> tuple[mx.array, np.ndarray]:
     return logprobs, t.rows
 
 
-def loss_sum(handle, batch) -> mx.array:
-    """Summed cross-entropy over the loss-carrying tokens of a batch."""
-    logprobs, _ = target_logprobs(handle, batch)
-    return -logprobs.sum()
+def loss_sum(handle, batch, router_aux: bool = False) -> mx.array:
+    """Summed cross-entropy over the loss-carrying tokens of a batch. With `router_aux`, where the run
+    adds a router load-balancing loss (router_loss.py), that term once per loss token, as on torch:
+    the mean over tokens is then the model's own loss."""
+    with router_tape(router_aux and handle.router_aux_coef > 0) as tape:
+        logprobs, _ = target_logprobs(handle, batch)
+    total = -logprobs.sum()
+    if tape is not None and logprobs.size:
+        total = total + router_aux_loss(handle, tape, batch) * logprobs.size
+    return total
 
 
 def sequence_logprobs(handle, batch) -> tuple[mx.array, np.ndarray]:

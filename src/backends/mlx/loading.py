@@ -14,8 +14,10 @@ from mlx.utils import tree_flatten
 
 from ...errors import MudpuppyError
 from ..models import patch_rope_theta, resolve_model
+from ..routing import router_aux_coefficient
 from .families import check_family, config_overrides, model_classes, restore_windows
 from .quantize import quant_format, quantize_base
+from .router_loss import record_routers
 
 DTYPES = {"auto": mx.float32, "float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 # Scalar-head models: classes per position and the transformers class-name suffix, as on torch.
@@ -67,6 +69,7 @@ class MlxModel:
     head: str | None = None                    # None (causal LM) or a key of HEADS
     adapter: dict = field(default_factory=dict)  # kind, r, alpha, rslora, dropout, targets, quantization
     quantization: dict | None = None           # the 4-bit base's summary once quantized (while loading or after)
+    router_aux_coef: float = 0.0               # the routers' load-balancing loss weight in training (router_loss.py)
 
 
 def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None, adapter=None) -> MlxModel:
@@ -93,6 +96,8 @@ def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None, ad
     resolved = resolve_model(model_cfg.base_model, model_cfg.revision, model_cfg.trust_remote_code)
     raw = json.loads((Path(resolved.path) / "config.json").read_text())
     check_family(raw, f"model.base_model {model_cfg.base_model!r}")   # before any weight loads
+    aux_coef = router_aux_coefficient(raw, getattr(model_cfg, "router_aux_loss_coef", None),
+                                      f"model.base_model {model_cfg.base_model!r}") if head is None else 0.0
     config = patch_rope_theta(raw)
     quantized = (config.get("quantization_config") or {}).get("quant_method")
     if quantized in ("gptq", "mudpuppy_qat") and "quantization" not in config:
@@ -125,7 +130,12 @@ def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None, ad
     materialize(model)
     model.eval()
     tokenizer = load_tokenizer(model_cfg, Path(resolved.path))
-    handle = MlxModel(model, tokenizer, str(resolved.path), config, precision, head=head, quantization=quantization)
+    handle = MlxModel(model, tokenizer, str(resolved.path), config, precision, head=head, quantization=quantization,
+                      router_aux_coef=aux_coef)
+    if aux_coef and not record_routers(model):
+        raise MudpuppyError(f"model.base_model {model_cfg.base_model!r}: its config asks for the router "
+                            "load-balancing loss, but mlx-lm's model has no router mudpuppy can read; set "
+                            "model.router_aux_loss_coef: 0 or use a torch backend")
     handle.split_head, handle.masks = check_forward_paths(model)
     handle.packable = handle.masks and uses_rotary_positions(model)
     return handle

@@ -67,6 +67,9 @@ class MlxTrainer:
         self.seed = cfg.seed
         self.steps = 0
         self.value_and_grad = nn.value_and_grad(handle.model, self._loss)
+        if getattr(cfg, "compile", False) and handle.router_aux_coef:
+            raise MudpuppyError("training.compile on the mlx backend does not cover the router load-balancing "
+                                "loss this model adds; set training.compile: false, or model.router_aux_loss_coef: 0")
         self.compiled = CompiledTokenLoss(handle) if getattr(cfg, "compile", False) else None
         self._metrics: dict[str, float] = {}
 
@@ -167,4 +170,4 @@ class TokenLoss:
         return batch.loss_tokens
 
     def __call__(self, handle, batch):
-        return loss_sum(handle, batch), {}
+        return loss_sum(handle, batch, router_aux=True), {}

@@ -23,6 +23,7 @@ from ...quantization.qat import is_qat_checkpoint
 from ..adapters import choose_target_modules, choose_target_parameters
 from ..models import resolve_model
 from ..protocol import AdapterInfo, StepResult
+from ..routing import read_router_aux_coefficient
 from . import logprobs
 from .attention import attention_kernels, packing_mask
 from .experts import warn_if_mostly_unadapted
@@ -125,6 +126,9 @@ class TorchBackend:
                 f"model.base_model {model_cfg.base_model!r} is a converted QAT model: integer weights for "
                 "inference (eval, chat, serve, export), which no adapter or optimizer can train. Train on its "
                 "float fine-tune (the QAT run's trained/ directory) or on `mudpuppy export --format merged` of it")
+        # Refused before any weight loads where the model has no router.
+        override = getattr(model_cfg, "router_aux_loss_coef", None)
+        aux_coef = read_router_aux_coefficient(resolved.path, override)
         vision = head is None and is_vision_checkpoint(model_cfg, resolved.path)
         if vision:
             from ...data.vision import load_vision_tokenizer
@@ -151,6 +155,10 @@ class TorchBackend:
             model.config.text_config.use_cache = False
         if compact:
             compute_compact_embeddings(model, dtype)
+        if override is not None:
+            from .experts import set_router_aux_loss
+
+            set_router_aux_loss(model, aux_coef)
         if head:
             # A sequence score is read at the last token that is not padding; the model finds it by this id.
             model.config.pad_token_id = tokenizer.pad_token_id
@@ -484,7 +492,7 @@ class TorchBackend:
         added here once per loss token, so that the trainer's mean over tokens is the model's own
         loss. `router_aux` False leaves it out (held-out loss and perplexity).
         """
-        from .experts import adds_router_aux_loss, router_aux_loss
+        from .experts import adds_router_aux_loss, batch_router_aux_loss
 
         inputs, labels = self._tensors(batch, handle.model, processor=handle.processor)
         base = _unwrap(handle.model)
@@ -506,17 +514,12 @@ class TorchBackend:
                 total = total + torch.nn.functional.cross_entropy(
                     logits, targets[start : start + LOSS_CHUNK_TOKENS], reduction="sum")
         if aux and targets.numel():
-            # The model computes it with the attention mask it is given: the batch's own [B, T] mask
-            # (a packed batch's 4-D mask is for attention only).
-            mask = getattr(batch, "attention_mask", None)
-            mask = torch.as_tensor(mask, device=self.plan.device) if mask is not None and np.ndim(mask) == 2 else None
-            term = router_aux_loss(base, getattr(record.get("outputs"), "router_logits", None), mask)
-            total = total + term.to(total.device) * targets.numel()
+            total = total + batch_router_aux_loss(base, record.get("outputs"), batch, total.device) * targets.numel()
         return total, int(targets.numel())
 
     @_gathered
-    def sequence_logprobs(self, handle: TorchModel, batch, grad: bool = True) -> tuple[torch.Tensor, np.ndarray]:
-        return logprobs.sequence_logprobs(self, handle, batch, grad)
+    def sequence_logprobs(self, handle: TorchModel, batch, grad: bool = True, router_aux: bool = False):
+        return logprobs.sequence_logprobs(self, handle, batch, grad, router_aux)
 
     @_gathered
     def reference_logprobs(self, handle: TorchModel, batch) -> torch.Tensor:
@@ -524,8 +527,8 @@ class TorchBackend:
 
     @_gathered
     def token_logprobs(self, handle: TorchModel, batch, grad: bool = True, temperature: float = 1.0,
-                       reference: bool = False, entropy: bool = False) -> tuple[torch.Tensor, np.ndarray | None]:
-        return logprobs.token_logprobs(self, handle, batch, grad, temperature, reference, entropy)
+                       reference: bool = False, entropy: bool = False, router_aux: bool = False):
+        return logprobs.token_logprobs(self, handle, batch, grad, temperature, reference, entropy, router_aux)
 
     @_gathered
     def sample(self, handle: TorchModel, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],

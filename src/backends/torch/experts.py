@@ -28,6 +28,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -214,6 +215,25 @@ def router_aux_loss(model: nn.Module, router_logits, attention_mask: torch.Tenso
     if not isinstance(aux, torch.Tensor):     # no router logits: the function returns 0
         return torch.zeros((), dtype=torch.float32)
     return model.router_aux_loss_coef * aux.float()
+
+
+def batch_router_aux_loss(model: nn.Module, outputs, batch, device: torch.device) -> torch.Tensor:
+    """router_aux_loss of one forward's `outputs` (asked for with ``output_router_logits``), with the
+    batch's own [B, T] attention mask, as the model computes it (a packed batch's 4-D mask is for
+    attention only)."""
+    mask = getattr(batch, "attention_mask", None)
+    mask = torch.as_tensor(mask, device=device) if mask is not None and np.ndim(mask) == 2 else None
+    return router_aux_loss(model, getattr(outputs, "router_logits", None), mask).to(device)
+
+
+def set_router_aux_loss(model: nn.Module, coefficient: float) -> None:
+    """`model.router_aux_loss_coef` from the run's config: the model's forward (and ours) add the
+    load-balancing loss with this weight, or not at all at 0 (models.router_aux_coefficient)."""
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.output_router_logits = coefficient > 0
+        config.router_aux_loss_coef = coefficient
+    if hasattr(model, "router_aux_loss_coef"):
+        model.router_aux_loss_coef = coefficient
 
 
 # --------------------------------------------------------------------------- 4-bit expert stacks

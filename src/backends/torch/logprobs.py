@@ -22,17 +22,20 @@ IGNORE_INDEX = -100
 LOSS_CHUNK_TOKENS = 1024
 
 
-def sequence_logprobs(backend, handle, batch, grad: bool = True) -> tuple[torch.Tensor, np.ndarray]:
-    """(summed log p(target) per row [B], float32, on the device; targets per row [B]).
+def sequence_logprobs(backend, handle, batch, grad: bool = True, router_aux: bool = False):
+    """(summed log p(target) per row [B], float32, on the device; targets per row [B]); with
+    `router_aux` a third item, the router's weighted load-balancing loss of this forward (a
+    scalar; zero for a model that does not add one: routing.py).
 
     Without `grad` the model runs in eval mode (no dropout) and keeps no graph."""
     inputs, labels = backend._tensors(batch, handle.model)
     base = unwrap(handle.model)
+    inputs, record = router_logits_asked(base, inputs, router_aux)
     counts = (np.asarray(batch.labels) != IGNORE_INDEX).sum(axis=1)
     with grad_mode(handle.model, grad), backend._autocast(handle):
         keep = labels != IGNORE_INDEX
         rows = keep.nonzero()[:, 0]              # the row of each kept position, row-major
-        picked, head = head_inputs(base, base.get_decoder(), inputs, keep)
+        picked, head = head_inputs(base, base.get_decoder(), inputs, keep, record)
         targets = labels[keep]
         pieces = []
         for start in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
@@ -43,13 +46,35 @@ def sequence_logprobs(backend, handle, batch, grad: bool = True) -> tuple[torch.
             sums = sums.index_add(0, rows, torch.cat(pieces))
         elif grad:
             sums = sums + 0.0 * picked.sum()     # keep the graph: backward() needs a path to the weights
+        if router_aux:
+            return sums, counts, aux_term(backend, base, record, batch)
     return sums, counts
 
 
+def router_logits_asked(base, inputs: dict, router_aux: bool) -> tuple[dict, dict | None]:
+    """The forward's inputs, asking for router logits where the model adds their loss; and the
+    record head_inputs keeps the outputs in (None when nothing is asked)."""
+    from .experts import adds_router_aux_loss
+
+    if router_aux and adds_router_aux_loss(base):
+        return {**inputs, "output_router_logits": True}, {}
+    return inputs, None
+
+
+def aux_term(backend, base, record: dict | None, batch) -> torch.Tensor:
+    """The weighted load-balancing loss of the forward `record` kept, or a zero scalar."""
+    from .experts import batch_router_aux_loss
+
+    if record is None:
+        return torch.zeros((), dtype=torch.float32, device=backend.plan.device)
+    return batch_router_aux_loss(base, record.get("outputs"), batch, backend.plan.device)
+
+
 def token_logprobs(backend, handle, batch, grad: bool = True, temperature: float = 1.0,
-                   reference: bool = False, entropy: bool = False) -> tuple[torch.Tensor, np.ndarray | None]:
+                   reference: bool = False, entropy: bool = False, router_aux: bool = False):
     """log p(target) [N] at each position with a label (row-major), from logits / temperature, in
-    float32; and with `entropy` the distribution's entropy there (numpy, a metric: no gradient).
+    float32; and with `entropy` the distribution's entropy there (numpy, a metric: no gradient);
+    with `router_aux` a third item, as sequence_logprobs'.
 
     The output head runs a chunk of positions at a time. With gradient each chunk is
     checkpointed: its [chunk, vocab] logits are rebuilt in the backward instead of being
@@ -57,12 +82,14 @@ def token_logprobs(backend, handle, batch, grad: bool = True, temperature: float
     for 8 completions of 1024 tokens over a 64k vocabulary)."""
     if reference:
         with adapters_disabled(handle.model):
-            return token_logprobs(backend, handle, batch, grad=False, temperature=temperature, entropy=entropy)
+            return token_logprobs(backend, handle, batch, grad=False, temperature=temperature, entropy=entropy,
+                                  router_aux=router_aux)
     inputs, labels = backend._tensors(batch, handle.model)
     base = unwrap(handle.model)
+    inputs, record = router_logits_asked(base, inputs, router_aux)
     with grad_mode(handle.model, grad), backend._autocast(handle):
         keep = labels != IGNORE_INDEX
-        picked, head = head_inputs(base, base.get_decoder(), inputs, keep)
+        picked, head = head_inputs(base, base.get_decoder(), inputs, keep, record)
         targets = labels[keep]
         logps, entropies = [], []
         for start in range(0, targets.numel(), LOSS_CHUNK_TOKENS):
@@ -76,9 +103,10 @@ def token_logprobs(backend, handle, batch, grad: bool = True, temperature: float
             entropies.append(ent)
     if not logps:
         empty = picked.new_zeros(0, dtype=torch.float32)
-        return (empty + 0.0 * picked.sum() if grad else empty), (np.zeros(0, np.float32) if entropy else None)
-    values = torch.cat(logps)
-    return values, (torch.cat(entropies).cpu().numpy() if entropy else None)
+        out = (empty + 0.0 * picked.sum() if grad else empty), (np.zeros(0, np.float32) if entropy else None)
+    else:
+        out = torch.cat(logps), (torch.cat(entropies).cpu().numpy() if entropy else None)
+    return (*out, aux_term(backend, base, record, batch)) if router_aux else out
 
 
 def chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):

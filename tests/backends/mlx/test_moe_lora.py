@@ -142,3 +142,55 @@ def test_larger_adapters_still_give_torchs_logits(family, experts, model_dirs, m
     mlx_backend.load_adapter(m, str(adapter))
     diff = float(np.abs(mlx_backend.logits(m, b) - torch_backend.logits(t, b))[real].max())
     assert diff < 1e-4, f"{family}: {diff:.2e} from torch's logits"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_router_aux_loss_on_mlx_is_torchs(family, model_dirs, mlx_backend, torch_backend, tmp_path):
+    """model.router_aux_loss_coef turns the router's load-balancing loss on for both runtimes: the SFT
+    loss, and the term the preference and GRPO forwards return, equal torch's; its gradient reaches
+    the adapter; evaluation leaves it out; 0 turns it off."""
+    from mudpuppy.backends.mlx import forward
+    from mudpuppy.backends.mlx.trainer import TokenLoss
+    from mudpuppy.config import ModelConfig
+
+    path = model_dirs(family)
+    adapter = random_peft_adapter(path, tmp_path / "peft", experts=True)
+    cfg = ModelConfig(base_model=str(path), router_aux_loss_coef=0.5)
+    b = batch()
+    t = torch_backend.load_model(cfg, "fp32")
+    torch_backend.load_adapter(t, str(adapter))
+    m = mlx_backend.load_model(cfg, "fp32")
+    mlx_backend.load_adapter(m, str(adapter))
+    with torch.no_grad():
+        expected_loss, n = torch_backend.loss_sum(t, b)
+        plain, _ = torch_backend.loss_sum(t, b, router_aux=False)
+        _, _, expected_aux = torch_backend.sequence_logprobs(t, b, grad=False, router_aux=True)
+    assert float(expected_aux) > 0.1
+    got_loss, _ = TokenLoss()(m, b)
+    assert float(got_loss.item()) / n == pytest.approx(float(expected_loss) / n, abs=1e-5)
+    assert float(forward.loss_sum(m, b).item()) / n == pytest.approx(float(plain) / n, abs=1e-5)
+    _, _, aux = mlx_backend.sequence_logprobs(m, b, grad=False, router_aux=True)
+    assert float(aux.item()) == pytest.approx(float(expected_aux), abs=1e-5)
+    _, _, aux = mlx_backend.token_logprobs(m, b, grad=True, router_aux=True)
+    assert float(aux.item()) == pytest.approx(float(expected_aux), abs=1e-5)
+
+    import mlx.nn as nn
+
+    fresh = mlx_backend.load_model(cfg, "fp32")
+    mlx_backend.attach_adapter(fresh, AdapterConfig(type="lora", r=4, alpha=8))
+
+    def term(model):
+        return mlx_backend.token_logprobs(fresh, b, grad=True, router_aux=True)[2]
+
+    grads = dict(_flat(nn.value_and_grad(fresh.model, term)(fresh.model)[1]))
+    assert any(float(mx.abs(g).sum().item()) > 0 for k, g in grads.items() if "lora_b" in k)
+
+    off = mlx_backend.load_model(ModelConfig(base_model=str(path), router_aux_loss_coef=0.0), "fp32")
+    assert float(mlx_backend.sequence_logprobs(off, b, grad=False, router_aux=True)[2].item()) == 0.0
+
+
+def test_router_aux_loss_coef_is_refused_for_a_model_without_a_router(model_dirs, mlx_backend):
+    from mudpuppy.config import ModelConfig
+
+    with pytest.raises(MudpuppyError, match="router_aux_loss_coef.*no router"):
+        mlx_backend.load_model(ModelConfig(base_model=str(model_dirs("qwen3")), router_aux_loss_coef=0.01), "fp32")
