@@ -61,7 +61,12 @@ def launch(cfg, backend_name: str, nproc: int, run_args: list[str], echo=print) 
         return launch_mlx(cfg, nproc, run_args, echo)
     from .backends.torch.launch import launch_torch
 
-    return launch_torch(cfg, nproc, run_args, echo)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
+    os.environ[LAUNCHED_ENV] = "1"                  # the copies inherit it: they leave the message to this one
+    failures = launch_torch(cfg, nproc, run_args, echo)
+    if failures:
+        raise_failure(cfg, *first_cause(failures))
+    return 0
 
 
 # How a process that lost its peers reports it: it is a consequence of another rank's failure, never the cause.

@@ -1,12 +1,13 @@
-"""Hardware readings of the device a backend runs on, for the --tui dashboard (monitor/).
+"""Hardware readings of the device a backend runs on, for the --tui dashboard (monitor/): the `Reading`
+type and the process's own memory.
 
-`read_hardware(backend)` is the one entry point: the runtime-specific readings
-live beside their runtime (backends/torch/telemetry.py for CUDA and ROCm,
-backends/mlx/telemetry.py for MLX) and are imported only when that backend
-is the one running; the process's resident memory (psutil, else the
-`resource` module's peak) is read on every backend. A reading that a
-machine cannot give (no NVML, no amdsmi, no rocm-smi) is left out: the
-dashboard shows what there is and a run never depends on it.
+A leaf: the runtime-specific readings (backends/torch/telemetry.py for CUDA
+and ROCm, backends/mlx/telemetry.py for MLX) import `Reading` from here, and
+backends/hardware.py's `read_hardware(backend)`, the one entry point, picks
+among them. The process's resident memory (psutil, else the `resource`
+module's peak) is read on every backend. A reading that a machine cannot
+give (no NVML, no amdsmi, no rocm-smi) is left out: the dashboard shows
+what there is and a run never depends on it.
 """
 
 from __future__ import annotations
@@ -25,22 +26,6 @@ class Reading:
     total: float | None = None
     percent: float | None = None
     source: str = ""              # where the number comes from: NVML, amdsmi, rocm-smi, torch.cuda, mlx, psutil
-
-
-def read_hardware(backend=None) -> list[Reading]:
-    """What the device of `backend` (None: no backend yet) and this process use right now."""
-    name = getattr(backend, "name", None)
-    readings: list[Reading] = []
-    if name in ("cuda", "rocm"):
-        from .torch.telemetry import gpu_readings
-
-        readings += gpu_readings(backend.device, name)
-    elif name == "mlx":
-        from .mlx.telemetry import mlx_readings
-
-        readings += mlx_readings()
-    readings += process_readings()
-    return readings
 
 
 def process_readings() -> list[Reading]:

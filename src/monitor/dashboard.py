@@ -27,7 +27,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ..training.loop import clock
+from .progress import clock
 
 # Shown first, in this order, when a run logs them; every other number follows in the order it first appears.
 MAIN_METRICS = (

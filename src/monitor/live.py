@@ -1,6 +1,6 @@
 """The --tui dashboard on a terminal while a run trains, and the plain lines it falls back to.
 
-    with watch_run(cfg.logging.tui) as echo:      # cli.py: around creating the backend and the whole run
+    with watch_run(cfg.logging.tui) as echo:      # cli/runs.py: around creating the backend and the run
         run(cfg, backend, echo=echo)              # training.run names the run and its backend (note_run);
                                                   # train_loop asks active() for progress, metrics lines, samples
 
@@ -8,7 +8,7 @@ While it is live, what the run echoes, prints or warns goes to the dashboard's
 log panel instead of tearing the display (stdout, stderr, `warnings` and
 the logging module's console handlers are redirected, and restored after).
 It draws for rank 0 only. It never stops a run: off a terminal it does not
-start (one warning, then the plain progress lines of training/loop.py), and
+start (one warning, then the plain progress lines of monitor/progress.py), and
 if drawing fails mid-run it stops, says so once, replays the log it was
 holding and hands over to those plain lines.
 """
@@ -200,7 +200,7 @@ class Dashboard:
                 return
 
     def read_hardware(self) -> None:
-        from ..backends.telemetry import read_hardware
+        from ..backends.hardware import read_hardware
 
         self.last_hardware = time.perf_counter()
         try:

@@ -18,7 +18,8 @@ import pytest
 import yaml
 from rich.console import Console
 
-from mudpuppy.backends.telemetry import Reading, read_hardware
+from mudpuppy.backends.hardware import read_hardware
+from mudpuppy.backends.telemetry import Reading
 from mudpuppy.monitor import dashboard
 from mudpuppy.monitor.dashboard import DashboardState, format_value, render, sparkline
 from mudpuppy.monitor.live import LineSink, watch_run

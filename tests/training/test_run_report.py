@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from mudpuppy.training.loop import PlainProgress, progress_bar
+from mudpuppy.monitor.progress import PlainProgress, progress_bar
 from mudpuppy.training.report import model_card, smooth, write_charts
 
 
