@@ -12,7 +12,7 @@
     batch      examples -> one padded or packed numpy batch
     batching   the deterministic, resumable batch order (Batcher)
     cache      tokenized data on disk, keyed by data + tokenizer + settings
-    prepare    config -> PreparedData (the entry point pipelines call)
+    prepare    config -> PreparedData (the entry point pipelines call); the tokenizer alone
     report     statistics and marked samples for `mudpuppy preprocess`
 """
 
@@ -21,7 +21,7 @@ from .batching import Batcher, fixed_batches
 from .examples import Example, LabeledExample, PairExample, PromptExample, StepExample
 from .formats import FORMATS, METHOD_FORMATS, check_method_format
 from .packing import pack_sequences
-from .prepare import DataReport, LoadedData, PreparedData, load_data, prepare_data, prepare_sft_data
+from .prepare import DataReport, LoadedData, PreparedData, load_data, load_tokenizer, prepare_data, prepare_sft_data
 from .templates import BUILTIN_TEMPLATES
 from .tokenize import generation_prompt
 
@@ -29,6 +29,6 @@ __all__ = [
     "IGNORE_INDEX", "Batch", "Batcher", "collate", "collate_packed", "fixed_batches",
     "Example", "PairExample", "LabeledExample", "StepExample", "PromptExample",
     "FORMATS", "METHOD_FORMATS", "check_method_format", "pack_sequences",
-    "DataReport", "LoadedData", "PreparedData", "load_data", "prepare_data", "prepare_sft_data",
+    "DataReport", "LoadedData", "PreparedData", "load_data", "load_tokenizer", "prepare_data", "prepare_sft_data",
     "BUILTIN_TEMPLATES", "generation_prompt",
 ]

@@ -23,7 +23,7 @@ from .render import RenderOptions, instruction_prompt
 from .templates import apply_chat_template_choice, template_warnings
 from .tokenize import needs_template, tokenize_records, tool_format_for
 from .tools import uses_tools
-from .vision import is_vision_model, is_vision_tokenizer, vision_problems
+from .vision import is_vision_model, is_vision_tokenizer, load_vision_tokenizer, vision_problems
 from .images import resolve_images
 
 SKIPPED_SHOWN = 20     # bad-record locations kept for the report
@@ -203,6 +203,25 @@ def apply_weights(train: list, origin: list[int], weights: list[float | None], s
         extra = np.random.default_rng([seed, d]).choice(len(mine), rest, replace=False)
         out += mine * whole + [mine[i] for i in sorted(extra.tolist())]
     return out
+
+
+def load_tokenizer(model_cfg, model_dir: Path | str):
+    """The tokenizer training will tokenize with, loaded without the model (`mudpuppy preprocess`).
+
+    A vision-language model's processor (it renders and expands the images as
+    training will), else the Hugging Face tokenizer of `model.tokenizer` or
+    the resolved `model_dir`, padding with EOS where it names no pad token, the
+    way both backends set it up: the cache key depends on it.
+    """
+    source = model_cfg.tokenizer or str(model_dir)
+    if is_vision_model(model_cfg):
+        return load_vision_tokenizer(source, model_cfg.trust_remote_code)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: str | None = None,

@@ -23,7 +23,7 @@ from mudpuppy.training.loop import FAULT_ENV
 from mudpuppy.training.rollout import RolloutBatcher, completion_batch
 
 from ..conftest import QUICKSTART_DATA
-from ..test_resume import cli
+from .test_resume import cli
 
 RL_DATA = QUICKSTART_DATA / "sample_rl.jsonl"
 

@@ -188,3 +188,20 @@ def test_the_shipped_example_validates_and_finds_every_image():
     loaded = load_data(cfg)
     images = [f for ds in loaded.train + loaded.val for rec in ds.records for f in record_images(rec.data)]
     assert len(images) == 36 and all(Path(f).is_file() and "configs/data/shapes/" in f for f in images)
+
+
+def test_preprocess_tokenizes_a_vision_config_with_its_processor(tiny_vlm_dir, vlm_data, tmp_path):
+    import yaml
+    from click.testing import CliRunner
+
+    from mudpuppy.cli import main
+    from mudpuppy.data import load_tokenizer
+    from mudpuppy.data.vision import is_vision_tokenizer
+
+    raw = vlm_config(tiny_vlm_dir, vlm_data, tmp_path / "out")
+    assert is_vision_tokenizer(load_tokenizer(load_config(raw).model, tiny_vlm_dir))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(main, ["preprocess", str(path), "-n", "0"])
+    assert result.exit_code == 0, result.output
+    assert f"tokenizer: {tiny_vlm_dir}" in result.output and "image data is tokenized afresh" in result.output

@@ -1,16 +1,15 @@
-"""Config validation: every problem reported at once, with its path; overrides; the CLI's exit code."""
+"""Config validation: every problem reported at once, with its path; overrides. (`mudpuppy validate`'s exit
+codes: tests/cli/test_verbs.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
-from mudpuppy.cli import main
 from mudpuppy.config import apply_override, load_config
 from mudpuppy.errors import ConfigError
 
-from .conftest import REPO
+from ..conftest import REPO
 
 
 def write(tmp_path, data, name="cfg.yaml"):
@@ -103,18 +102,3 @@ def test_epochs_default_and_warmup_conflict():
     assert load_config(base).training.epochs == 1.0
     with pytest.raises(ConfigError, match="warmup_steps or warmup_ratio"):
         load_config({**base, "training": {"warmup_steps": 3, "warmup_ratio": 0.1}})
-
-
-def test_cli_validate_exit_codes(tiny_config, tmp_path):
-    runner = CliRunner()
-    good = write(tmp_path, tiny_config, "good.yaml")
-    ok = runner.invoke(main, ["validate", str(good)])
-    assert ok.exit_code == 0 and "ok" in ok.output
-    tiny_config["training"]["learning_rate"] = -0.1
-    tiny_config["training"]["optimiser"] = "adamw"
-    bad = write(tmp_path, tiny_config, "bad.yaml")
-    res = runner.invoke(main, ["validate", str(bad)])
-    assert res.exit_code == 2
-    assert "2 problems" in res.output
-    assert "training.learning_rate" in res.output and "training.optimiser" in res.output
-    assert "Traceback" not in res.output

@@ -1,14 +1,13 @@
-"""Backend registry: real probes, clear refusals, auto-detection order."""
+"""Backend registry: real probes, clear refusals, auto-detection order. (`mudpuppy backends` and
+`run --backend`: tests/cli/test_verbs.py.)"""
 
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
 
 from mudpuppy import create_backend
 from mudpuppy.backends import factory
 from mudpuppy.backends.protocol import Availability, BackendProtocol
-from mudpuppy.cli import main
 from mudpuppy.errors import BackendUnavailable
 
 
@@ -68,30 +67,6 @@ def test_a_probe_that_crashes_reports_unavailable(monkeypatch):
     monkeypatch.setattr(cpu, "probe", boom)
     result = factory.probe("cpu")
     assert not result.available and "driver exploded" in result.reason
-
-
-def test_cli_backends_lists_each_backend_with_a_verdict():
-    res = CliRunner().invoke(main, ["backends"])
-    assert res.exit_code == 0
-    lines = [l for l in res.output.splitlines() if not l.startswith(" ")]
-    assert [l.split()[0] for l in lines] == ["rocm", "cuda", "mlx", "cpu"]
-    assert all(("available" in l) for l in lines)
-    assert any(l.startswith("cpu") and "unavailable" not in l for l in lines)
-
-
-def test_cli_run_with_unavailable_backend_exits_2(tiny_config, tmp_path):
-    import yaml
-
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(tiny_config))
-    res = CliRunner().invoke(main, ["run", "--config", str(path), "--backend", "rocm"])
-    import torch
-
-    if torch.version.hip:
-        pytest.skip("ROCm build present")
-    assert res.exit_code == 2
-    assert "error: rocm:" in res.output and "Traceback" not in res.output
-    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp8"])

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 from mudpuppy.cli import main
 
-from .conftest import tiny_run_config
-from .export.test_gguf_families import build
+from ..conftest import tiny_run_config
+from .test_gguf_families import build
 
 TEXT = "turn on the kitchen lights and then switch off the bedroom fan please"
 

@@ -9,7 +9,7 @@ import pytest
 from mudpuppy.config import load_config
 from mudpuppy.training.curriculum import is_curriculum, load_curriculum
 
-from .conftest import REPO
+from ..conftest import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 

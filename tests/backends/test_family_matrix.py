@@ -42,8 +42,8 @@ from mudpuppy.config import AdapterConfig, DistributedConfig, ModelConfig, Train
 from mudpuppy.data import collate, collate_packed
 from mudpuppy.errors import MudpuppyError
 
-from .conftest import build_tokenizer
-from .conftest import random_examples, randomize_lora
+from ..conftest import build_tokenizer
+from ..conftest import random_examples, randomize_lora
 
 WINDOW = 6          # shorter than the examples below, so a sliding window acts
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -407,7 +407,7 @@ def test_gguf_is_what_llama_cpp_loads(model_dirs, tmp_path, family):
     src/models/<arch>.cpp in tests/export/test_gguf_families.py."""
     import gguf
 
-    from .export.test_gguf_families import ARCH, llama_cpp_keys, llama_cpp_tensors
+    from ..export.test_gguf_families import ARCH, llama_cpp_keys, llama_cpp_tensors
 
     path = model_dirs(family)
     done = export_gguf(path, tmp_path / "out")

@@ -18,7 +18,7 @@ from mudpuppy.cli import main
 from mudpuppy.config import load_config
 from mudpuppy.shortcuts import train_config
 
-from .conftest import QUICKSTART_DATA
+from ..conftest import QUICKSTART_DATA
 
 TRAIN = str(QUICKSTART_DATA / "smart_home_train.jsonl")
 VAL = str(QUICKSTART_DATA / "smart_home_val.jsonl")
