@@ -20,6 +20,10 @@ before any weight loads.
   Qwen3-MoE ignore `sliding_window` there): the MLX backend restores them layer
   by layer (`restore_windows`); an mlx_lm.load of an export cannot, which the
   export reports (exact up to the window's length).
+- YaRN rope: mlx-lm's YarnRoPE always rounds its correction range outward (transformers'
+  `truncate: true`) and never reads `attention_factor`; gpt-oss says `truncate: false` (as
+  OpenAI's reference computes it), which moved two of its frequencies by 14% and 100%. The MLX
+  backend gives each YaRN rope transformers' frequencies and factor (`exact_yarn`).
 
 Nothing here imports mlx at module level: export preflight reads it without mlx.
 """
@@ -223,7 +227,30 @@ def prepare_directory(model_dir: Path) -> list[str]:
         notes.append(f"mlx-lm's {family_name(config)} leaves out the {window[0]}-token sliding window of "
                      f"{sum(window[1])} of {len(window[1])} layers: mlx_lm.load of this export computes the model "
                      f"exactly on sequences up to {window[0]} tokens (mudpuppy's mlx backend restores the window)")
+    moved = yarn_frequencies_rounded(config)
+    if moved:
+        notes.append(f"mlx-lm's YaRN rope rounds its correction range, which {family_name(config)}'s config "
+                     f"(truncate: false) does not: mlx_lm.load of this export computes {moved[0]} of {moved[1]} "
+                     "rotary frequencies differently from transformers (mudpuppy's mlx backend computes them "
+                     "as transformers does)")
     return notes
+
+
+def yarn_frequencies_rounded(config: dict) -> tuple[int, int] | None:
+    """(frequencies mlx-lm's YarnRoPE gets wrong, all of them) for a YaRN config with `truncate: false`,
+    which mlx-lm ignores; None where it computes them as transformers does."""
+    import numpy as np
+
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type")) != "yarn" or rope.get("truncate", True):
+        return None
+    dims = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    dims = int(dims * rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    exact, _ = yarn_parameters(config, dims)
+    rounded, _ = yarn_parameters({**config, "rope_parameters": {**rope, "truncate": True}, "rope_scaling": None},
+                                 dims)
+    moved = int((np.abs(rounded / exact - 1) > 1e-6).sum())
+    return (moved, len(exact)) if moved else None
 
 
 def check_expert_targets(model, config: dict, wanted) -> None:
@@ -248,6 +275,63 @@ def check_expert_targets(model, config: dict, wanted) -> None:
         "and gpt-oss there), so all-linear would train the attention alone; use a torch backend (its LoRA "
         "reaches the experts), or list the modules to adapt (e.g. [q_proj, k_proj, v_proj, o_proj]) to train "
         "those alone on MLX")
+
+
+# ---------------------------------------------------------------------------------------- YaRN rope
+
+
+def yarn_parameters(config: dict, dims: int):
+    """transformers' _compute_yarn_parameters (modeling_rope_utils.py) for `dims` rotated dimensions, in
+    float32: (inv_freq [dims // 2], attention_factor)."""
+    import math
+
+    import numpy as np
+
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    base = rope.get("rope_theta", config.get("rope_theta"))
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or config["max_position_embeddings"] / original
+
+    def get_mscale(scale, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = get_mscale(factor, m) / get_mscale(factor, m_all) if m and m_all else get_mscale(factor)
+
+    def correction_dim(rotations):
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.get("beta_fast") or 32), correction_dim(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dims // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    pos_freqs = np.float32(base) ** (np.arange(0, dims, 2, dtype=np.float32) / np.float32(dims))
+    extrapolation = 1 - ramp
+    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def exact_yarn(model, config: dict) -> int:
+    """Give every YaRN rope of an mlx-lm model transformers' frequencies and attention factor: mlx-lm's
+    YarnRoPE floors/ceils the correction range whatever `truncate` says (gpt-oss: false) and ignores
+    `attention_factor`. Returns how many ropes it set."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type")) != "yarn":
+        return 0
+    import mlx.core as mx
+    from mlx_lm.models.rope_utils import YarnRoPE
+
+    ropes = [m for _, m in model.named_modules() if isinstance(m, YarnRoPE)]
+    for module in ropes:
+        inv_freq, attention_factor = yarn_parameters(config, module.dims)
+        module._freqs = mx.array(1 / inv_freq)    # mx.fast.rope's freqs are periods; "_": not a parameter
+        module.mscale = attention_factor          # YarnRoPE scales q and k by it, transformers cos and sin
+    return len(ropes)
 
 
 # ---------------------------------------------------------------------------------- sliding windows

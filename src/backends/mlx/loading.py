@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from ...errors import MudpuppyError
 from ..models import patch_rope_theta, resolve_model
 from ..routing import router_aux_coefficient
-from .families import check_family, config_overrides, model_classes, restore_windows
+from .families import check_family, config_overrides, exact_yarn, model_classes, restore_windows
 from .quantize import quant_format, quantize_base
 from .router_loss import record_routers
 
@@ -118,6 +118,7 @@ def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None, ad
         raise MudpuppyError(f"model.base_model {model_cfg.base_model!r}: mlx-lm cannot build it ({exc}); "
                             "use a torch backend for this architecture") from None
     restore_windows(model, raw)     # sliding windows mlx-lm leaves out (Gemma 2, Mistral, Phi-3...)
+    exact_yarn(model, raw)          # YaRN as transformers computes it (gpt-oss: truncate false)
     if head is not None:
         model = with_score_head(model, config, head)
     # Storage, queued like everything until materialize(): model.dtype (auto: fp32, the master weights

@@ -141,7 +141,8 @@ def test_an_mlx_export_reads_back_in_mlx_lm_with_torchs_logits(family, model_dir
     diff = float(np.abs(got - expected).max())
     assert diff < 1e-4, f"{family}: the export's logits {diff:.2e} from torch's"
     notes = result.record["mlx"].get("notes", [])
-    assert bool(notes) == (family in WINDOW_LEFT_OUT), notes
+    assert any("sliding window" in n for n in notes) == (family in WINDOW_LEFT_OUT), notes
+    assert any("YaRN" in n for n in notes) == (family == "gpt_oss"), notes     # truncate: false
     assert "rope_theta" in json.loads((out / "config.json").read_text())
 
 
@@ -219,3 +220,29 @@ def test_decoding_past_the_window_keeps_it(family, model_dirs, mlx_backend):
     steps += [model(mx.array(ids[:, i : i + 1]), cache=cache)[0] for i in range(4, ids.shape[1])]
     got = np.concatenate([np.array(s.astype(mx.float32)) for s in steps])
     assert np.abs(got - expected).max() < 1e-4
+
+
+def test_yarn_frequencies_are_transformers_whatever_truncate_says(model_dirs, mlx_backend):
+    """mlx-lm's YarnRoPE rounds the correction range (transformers' truncate: true); gpt-oss says false.
+    families.yarn_parameters is transformers' computation, and the loaded model's ropes use it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from mudpuppy.backends.mlx.families import yarn_frequencies_rounded, yarn_parameters
+
+    path = model_dirs("gpt_oss")
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    raw = json.loads((path / "config.json").read_text())
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    got, got_factor = yarn_parameters(raw, config.head_dim)
+    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-6)
+    assert got_factor == pytest.approx(factor)
+    moved, total = yarn_frequencies_rounded(raw)
+    assert 0 < moved < total == config.head_dim // 2
+    rounded = {**raw, "rope_parameters": {**raw["rope_parameters"], "truncate": True}}
+    assert yarn_frequencies_rounded(rounded) is None       # where mlx-lm already agrees, nothing is reported
+    from mlx_lm.models.rope_utils import YarnRoPE
+
+    m = mlx_backend.load_model(model_cfg(path), "fp32")
+    ropes = [r for _, r in m.model.named_modules() if isinstance(r, YarnRoPE)]
+    assert ropes and all(np.allclose(1 / np.array(r._freqs), expected.numpy(), rtol=1e-6) for r in ropes)
+
