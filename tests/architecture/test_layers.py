@@ -50,10 +50,6 @@ KNOWN = {
     # import cycles
     "cycle: backends.mlx.gptq <-> training.gptq":
         "the two GPTQ recipes call each other; step 1",
-    "cycle: backends.mlx.backend <-> backends.mlx.streaming":
-        "streaming reaches back into the facade; step 2 (leaf modules for shared types)",
-    "cycle: backends.torch.backend <-> backends.torch.devices <-> backends.torch.distributed <-> backends.torch.state":
-        "DevicePlan and _unwrap live in the facade; step 2 (a leaf plan.py for the plan and handle types)",
 }
 
 

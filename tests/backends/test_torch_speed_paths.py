@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mudpuppy import create_backend, load_config
-from mudpuppy.backends.torch.backend import _is_right_padded, _store_frozen_linears_in
+from mudpuppy.backends.torch.attach import store_frozen_linears_in as _store_frozen_linears_in
+from mudpuppy.backends.torch.backend import _is_right_padded
 from mudpuppy.data import Example, collate
 
 

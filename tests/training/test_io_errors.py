@@ -111,7 +111,7 @@ def test_a_safetensors_file_cut_short_is_named(tmp_path):
 
 
 def test_a_torch_file_cut_short_or_hostile_is_named_and_never_run(tmp_path):
-    from mudpuppy.backends.torch.state import load_torch_file
+    from mudpuppy.backends.torch.safe_load import load_torch_file
 
     path = tmp_path / "trainer.pt"
     torch.save({"step": torch.tensor(3)}, path)

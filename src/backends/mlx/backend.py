@@ -10,7 +10,6 @@ an error that names the option, never handed to torch behind the user's back.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 from pathlib import Path
@@ -23,6 +22,7 @@ from ...errors import MudpuppyError
 from ..adapters import choose_target_modules, choose_target_parameters
 from ..protocol import AdapterInfo, Sampling
 from . import adapter_io, forward, generation, logprobs
+from .forward import eval_mode
 from .layers import (
     adapter_layers,
     adapters_disabled,
@@ -325,14 +325,3 @@ class MlxBackend:
         from .batch_decode import open_decoder
 
         return open_decoder(handle)
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """Eval mode (no dropout) for the duration, then the mode the trainer left."""
-    training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(training)

@@ -16,6 +16,7 @@ packing is refused for it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -64,6 +65,17 @@ def causal_mask(attention_mask: np.ndarray, segment_ids: np.ndarray | None) -> m
         empty = ~allowed.any(axis=-1, keepdims=True)
         allowed |= empty & np.eye(width, dtype=bool)[None]
     return mx.array(allowed[:, None])
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Eval mode (no dropout) for the duration, then the mode the trainer left."""
+    training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(training)
 
 
 def model_caches(model: nn.Module, mask: mx.array | None):

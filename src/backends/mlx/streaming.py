@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ...errors import MudpuppyError
-from .backend import eval_mode
+from .forward import eval_mode
 from .generation import batch_cache, last_logits
 from .sampling import draw
 

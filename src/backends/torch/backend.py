@@ -10,78 +10,28 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from ...distributed import is_placeholder, sum_step, whole
 from ...errors import MudpuppyError
 from ...quantization.qat import is_qat_checkpoint
-from ..adapters import choose_target_modules, choose_target_parameters
 from ..models import resolve_model
-from ..protocol import AdapterInfo, StepResult
+from ..protocol import AdapterInfo
 from ..routing import read_router_aux_coefficient
 from . import logprobs
+from .handle import HEADS, IGNORE_INDEX, LOSS_CHUNK_TOKENS, SCALAR_HEADS, DevicePlan, TorchModel, unwrap
+from .attach import attach_adapter
+from .trainer import TorchTrainer
 from .attention import attention_kernels, packing_mask
-from .experts import warn_if_mostly_unadapted
 from .heads import head_inputs
-from .loading import compact_dtype, load_model_weights, storage_dtype
-from .frozen import FrozenLinear, compute_compact_embeddings
+from .loading import compact_dtype, load_model_weights, quiet_if, storage_dtype
+from .frozen import compute_compact_embeddings
 from .lora import lora_inputs_uncast, plain_lora_layers
 from .memory import return_freed_host_memory
 from .ops import TorchOps
-from .vision import backbone, freeze_vision_tower, is_vision_checkpoint, lora_targets, pixel_inputs
-
-IGNORE_INDEX = -100
-# Scalar-head models: the transformers Auto class, the classes per position, PEFT's task type
-# (which also makes PEFT train and save the new head in full: modules_to_save).
-HEADS = {
-    "sequence_classification": ("AutoModelForSequenceClassification", 1, "SEQ_CLS"),
-    "token_classification": ("AutoModelForTokenClassification", 2, "TOKEN_CLS"),
-}
-# Module names of the new scalar heads: read from no checkpoint, trained in full.
-SCALAR_HEADS = ("score", "classifier")
-# Tokens per lm_head chunk when computing the loss: bounds the [tokens x vocab]
-# logits held at once (49k vocab x 1024 tokens x 4 bytes = 200 MB).
-LOSS_CHUNK_TOKENS = 1024
-
-
-@dataclass
-class DevicePlan:
-    """What differs per device, decided by cpu.py / cuda.py / rocm.py."""
-
-    name: str                         # backend name: cpu, cuda, rocm
-    device: torch.device
-    autocast_dtype: torch.dtype | None = None   # compute dtype for matmuls, None = fp32
-    notes: list[str] = field(default_factory=list)
-    loss_scaling: bool = False        # scale fp16 losses (GradScaler) when the step computes in fp16
-    env: dict[str, str] = field(default_factory=dict)   # variables a child process needs (see devices.py)
-    attention: str = ""               # which SDPA kernel runs, for the report
-    devices: list[int] = field(default_factory=list)    # torch indices of the GPUs in use
-    precision: str = ""               # bf16, fp16, fp32 or fp8, as chosen by the device module
-    fp8: bool = False                 # train linear layers with torchao's float8 recipe
-    memory: Any = None                # config.MemoryConfig: offload and streaming (None: all off)
-    optimizer: str = "adamw"          # training.optimizer, checked against this device when the plan is made
-    host: torch.device = field(default_factory=lambda: torch.device("cpu"))   # where offloaded state lives
-    distributed: Any = None           # config.DistributedConfig: the strategy when launched as several processes
-
-
-@dataclass
-class TorchModel:
-    model: Any
-    tokenizer: Any
-    source: str
-    autocast_dtype: torch.dtype | None = None
-    head: str | None = None           # None (causal LM) or a key of HEADS
-    load_report: Any = None           # loading.LoadReport: how and at which dtype the weights were read
-    adapter_type: str | None = None   # set by attach_adapter: none, lora, dora or qlora
-    processor: Any = None             # vision-language models: their AutoProcessor (vision.py); None for text
-    freeze_vision: bool = True        # model.freeze_vision, applied by attach_adapter
-    plain_lora: tuple | None = None   # (model, its lora.plain_lora_layers), cached by _autocast
-
+from .vision import backbone, is_vision_checkpoint, pixel_inputs
 
 def _gathered(method):
     """Under FSDP, compute outside a training step sees the root's parameters whole (distributed.py)."""
@@ -146,7 +96,7 @@ class TorchBackend:
         # A frozen base computed in fp32 (no native 16-bit matmuls) stays in its 16-bit checkpoint dtype.
         compact = compact_dtype(resolved.path) if (model_cfg.dtype == "auto" and kind not in (None, "none")
                                                    and dtype == torch.float32) else None
-        with _quiet_if(head is not None):   # a new head's "missing weights" report is expected, not news
+        with quiet_if(head is not None):   # a new head's "missing weights" report is expected, not news
             model, report = load_model_weights(
                 auto_class, resolved.path, dtype, self.plan.device, self._frozen_planner(adapter, dtype, compact),
                 model_cfg.trust_remote_code, head_kwargs, new_modules=SCALAR_HEADS if head else ())
@@ -247,67 +197,8 @@ class TorchBackend:
 
     # ---------------------------------------------------------------- adapters
     def attach_adapter(self, handle: TorchModel, adapter_cfg) -> AdapterInfo:
-        from .experts import adapter_groups, base_weight_groups, find_moe, full_groups
-
-        model = handle.model
-        handle.adapter_type = adapter_cfg.type
-        # Mixture-of-experts: fused expert tensors and routers (experts.py); empty for a dense model.
-        layout = find_moe(_unwrap(model))
-        if adapter_cfg.type == "none":
-            for p in model.parameters():
-                p.requires_grad_(True)
-            if handle.processor is not None and handle.freeze_vision:
-                freeze_vision_tower(model)
-            targets: list[str] = []
-            groups = full_groups(_unwrap(model), layout)
-        else:
-            from peft import LoraConfig, get_peft_model
-
-            from .frozen import weight_reads_without_values
-
-            if adapter_cfg.type == "qlora":
-                quantization = self.quantize_base(handle, adapter_cfg)
-            base_counts = base_weight_groups(_unwrap(model), layout)
-            parameters: list[str] = []
-            if handle.processor is not None:
-                targets, spec = lora_targets(model, adapter_cfg.target_modules, handle.freeze_vision,
-                                             choose_target_modules)
-            else:
-                spec = self._target_modules(model, adapter_cfg.target_modules, layout)
-                parameters = choose_target_parameters(layout.target_names(), adapter_cfg.target_modules)
-                targets = spec + parameters
-            if parameters and (adapter_cfg.type == "dora" or adapter_cfg.dropout):
-                raise MudpuppyError(
-                    f"adapter: this model's experts are fused tensors ({', '.join(parameters)}), which PEFT adapts "
-                    f"without {'DoRA' if adapter_cfg.type == 'dora' else 'dropout'}; use adapter.type lora (or qlora) "
-                    "with adapter.dropout: 0, or list target_modules without the experts")
-            task = HEADS[handle.head][2] if handle.head else "CAUSAL_LM"
-            routers = layout.router_names() if getattr(adapter_cfg, "train_router", False) else []
-            config = LoraConfig(
-                r=adapter_cfg.r, lora_alpha=adapter_cfg.alpha, lora_dropout=adapter_cfg.dropout,
-                target_modules=spec, use_dora=adapter_cfg.type == "dora",
-                use_rslora=adapter_cfg.rslora, task_type=task,
-                # Fused expert tensors: one rank-r pair per expert (PEFT's lora.ParamWrapper).
-                target_parameters=parameters or None,
-                # The router trains in full when asked (adapter.train_router); PEFT saves it with the adapter.
-                modules_to_save=routers or None,
-            )
-            # PEFT reads each wrapped layer's weight only for its device and dtype, except DoRA (its norms).
-            cheap = weight_reads_without_values() if adapter_cfg.type != "dora" else contextlib.nullcontext()
-            with cheap:
-                handle.model = model = get_peft_model(model, config)
-            if handle.autocast_dtype is not None and adapter_cfg.type != "qlora":
-                _store_frozen_linears_in(_unwrap(model), handle.autocast_dtype)
-            if getattr(adapter_cfg, "init_from", None):
-                start_from(model, adapter_cfg.init_from)
-            groups = adapter_groups(_unwrap(model), layout, base_counts)
-            warn_if_mostly_unadapted(groups)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        # Frozen layers that keep their weight outside a parameter (4-bit, compact, streamed) count too.
-        total = sum(p.numel() for p in model.parameters()) + sum(
-            m.in_features * m.out_features for m in model.modules() if isinstance(m, FrozenLinear) and not m.tied)
-        return AdapterInfo(adapter_cfg.type, trainable, total, targets,
-                           quantization if adapter_cfg.type == "qlora" else None, groups=groups)
+        """PEFT's adapter (LoRA, DoRA, QLoRA's on the 4-bit base), or every weight trainable (attach.py)."""
+        return attach_adapter(self, handle, adapter_cfg)
 
     def quantize_base(self, handle: TorchModel, adapter_cfg) -> str:
         """Replace the base model's linear layers by our 4-bit ones (QLoRA); returns a one-line report.
@@ -326,18 +217,6 @@ class TorchBackend:
                                 skip_modules=("lm_head", *SCALAR_HEADS))
         experts = quantize_experts(handle.model, adapter_cfg.quant_backend, adapter_cfg.quant_group_size)
         return report.summary() + (f"; {experts.summary()}" if experts.tensors else "")
-
-    @staticmethod
-    def _target_modules(model, wanted, layout=None) -> list[str]:
-        """Leaf names of the linear layers to adapt; the output head is never a target
-        (a new scalar head trains in full instead: PEFT's modules_to_save), nor a router
-        that is a linear layer (adapter.train_router trains it in full)."""
-        heads = {id(m) for m in (model.get_output_embeddings(), getattr(model, "score", None),
-                                 getattr(model, "classifier", None)) if m is not None}
-        routers = set(layout.routers) if layout is not None else set()
-        linear = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
-                  if isinstance(mod, torch.nn.Linear) and id(mod) not in heads and name not in routers}
-        return choose_target_modules(linear, wanted, layout.target_names() if layout is not None else set())
 
     def save_adapter(self, handle: TorchModel, path: str) -> None:
         """The PEFT adapter; in a distributed run the same file a single process writes, from rank 0."""
@@ -389,7 +268,7 @@ class TorchBackend:
         from .memory import ActivationOffload
         from .distributed import Engine, fsdp_problem
 
-        base = _unwrap(handle.model)
+        base = unwrap(handle.model)
         checkpointing = training_cfg.gradient_checkpointing is not False   # None means the default: on
         if checkpointing:
             enable_checkpointing(base)
@@ -422,7 +301,7 @@ class TorchBackend:
         inputs = {"input_ids": torch.as_tensor(batch.input_ids, device=dev)}
         labels = torch.as_tensor(batch.labels, device=dev)
         if processor is not None:
-            inputs.update(pixel_inputs(processor, getattr(batch, "images", None) or [], _unwrap(model), dev,
+            inputs.update(pixel_inputs(processor, getattr(batch, "images", None) or [], unwrap(model), dev,
                                        inputs["input_ids"]))
         if getattr(batch, "segment_ids", None) is None:
             if every_position or not _is_right_padded(batch.attention_mask):
@@ -434,7 +313,7 @@ class TorchBackend:
             return inputs, labels
         segments = torch.as_tensor(batch.segment_ids, device=dev)
         # Per layer type where the model has sliding-window layers (attention.packing_mask).
-        inputs["attention_mask"] = packing_mask(_unwrap(model), segments)
+        inputs["attention_mask"] = packing_mask(unwrap(model), segments)
         inputs["position_ids"] = torch.as_tensor(batch.position_ids, device=dev)
         return inputs, labels
 
@@ -472,7 +351,7 @@ class TorchBackend:
         runs under the same context as the text's)."""
         stack = contextlib.ExitStack()
         ids = getattr(batch, "input_ids", None)
-        config = getattr(_unwrap(handle.model), "config", None)
+        config = getattr(unwrap(handle.model), "config", None)
         heads = getattr(config, "num_attention_heads", None)
         if not compiled and handle.processor is None and heads and getattr(ids, "ndim", 0) == 2:
             stack.enter_context(attention_kernels(self.plan.device, ids.shape[0], ids.shape[1], heads))
@@ -495,7 +374,7 @@ class TorchBackend:
         from .experts import adds_router_aux_loss, batch_router_aux_loss
 
         inputs, labels = self._tensors(batch, handle.model, processor=handle.processor)
-        base = _unwrap(handle.model)
+        base = unwrap(handle.model)
         aux = router_aux and handle.head is None and handle.processor is None and adds_router_aux_loss(base)
         record: dict = {}
         if aux:
@@ -586,236 +465,18 @@ class TorchBackend:
         return out.float().cpu().numpy()
 
     @_gathered
-    @torch.no_grad()
     def generate(self, handle: TorchModel, prompts: list[list[int]], max_new_tokens: int,
                  stop_ids: list[int]) -> list[list[int]]:
-        """Greedy decoding, prompts left-padded into one batch."""
-        handle.model.eval()
-        pad = handle.tokenizer.pad_token_id
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p)
-            attn[row, width - len(p):] = 1
-        with self._autocast(handle):
-            out = handle.model.generate(
-                input_ids=ids.to(self.plan.device), attention_mask=attn.to(self.plan.device),
-                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids,
-                pad_token_id=pad, use_cache=True,
-            )
-        results = []
-        for row in out[:, width:].tolist():
-            cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
-            results.append(row[:cut])
-        return results
+        """Greedy decoding, prompts left-padded into one batch (sampling.greedy)."""
+        from .sampling import greedy
 
-
-class TorchTrainer:
-    """One optimizer over the trainable parameters; the pipeline passes the learning rate in.
-
-    With an `engine` (distributed.py) this process is one rank of several: each micro-batch
-    runs through the engine, and the step is normalised by the loss units of all ranks."""
-
-    def __init__(self, backend: TorchBackend, handle: TorchModel, cfg, offload=None, engine=None):
-        from .optimizers import build_optimizer
-
-        self.backend, self.handle, self.cfg = backend, handle, cfg
-        self.offload = offload          # memory.ActivationOffload, or None
-        self.engine = engine
-        self.params = [p for p in handle.model.parameters() if p.requires_grad]
-        if not self.params:
-            raise MudpuppyError("nothing to train: the model has no trainable parameters")
-        if engine is not None and (cfg.optimizer != "adamw" and cfg.optimizer not in ("sgd", "adafactor")):
-            raise MudpuppyError(f"training.optimizer: {cfg.optimizer} keeps state torch.distributed.checkpoint "
-                                "cannot shard; distributed runs use adamw, sgd or adafactor")
-        self.optimizer = build_optimizer(self.params, cfg, backend.plan)
-        # fp16 gradients underflow to zero without a loss scale; bf16 and fp32 need none.
-        self.scaler = None
-        if backend.plan.loss_scaling and handle.autocast_dtype == torch.float16:
-            self.scaler = torch.amp.GradScaler(backend.plan.device.type)
-
-    def step(self, micro_batches, lr: float, objective=None) -> StepResult:
-        """One update; `objective` (see protocol.Objective) replaces the SFT token loss.
-
-        Running out of device memory raises one MudpuppyError naming what to change (memory.py)."""
-        from .memory import explain_out_of_memory
-
-        plan = self.backend.plan
-        with explain_out_of_memory(plan.name, self.cfg, self.handle.adapter_type, plan.memory,
-                                   gpu=plan.device.type != "cpu"):
-            return self._step(micro_batches, lr, objective)
-
-    def _step(self, micro_batches, lr: float, objective=None) -> StepResult:
-        objective = objective or TokenLoss(self.backend)
-        model = self.handle.model
-        model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        engine, device = self.engine, self.backend.plan.device
-        # Normalise by the count (loss tokens for SFT) of the whole step, so accumulation
-        # over micro-batches gives exactly the gradient of one large batch; in a distributed
-        # run the count of every rank's share, so N ranks give the gradient of one process.
-        counts = [0 if is_placeholder(b) else objective.count(b) for b in micro_batches]
-        step_counts = [whole(c) for c in engine.all_sum(counts, device)] if engine else counts
-        loss_tokens = sum(step_counts)          # may be fractional (GRPO weighs sequences)
-        # Each engine averages gradients over the ranks; the sum over ranks is what one process computes.
-        scale = (engine.ranks.world if engine else 1) / max(loss_tokens, 1)
-        # A micro-batch with no loss units anywhere is skipped by every rank alike; the last one run
-        # synchronises the gradients.
-        runs = [i for i, n in enumerate(step_counts) if n > 0]
-        total, sums, weights = 0.0, {}, {}
-        for i in runs:
-            batch, n = micro_batches[i], counts[i]
-            # A placeholder (a rank left without data at the end of an epoch) runs with weight zero.
-            weight = 0.0 if is_placeholder(batch) else 1.0
-            with engine.micro_batch(sync=i == runs[-1]) if engine else contextlib.nullcontext(), \
-                    self.backend.step_kernels(self.handle, batch, compiled=self.cfg.compile):
-                loss, metrics = self._forward(objective, batch)
-                scaled = loss * (scale * weight)
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += float(loss.detach()) * weight
-            for key, value in (metrics.items() if weight else ()):   # a metric may be absent from some micro-batches
-                sums[key] = sums.get(key, 0.0) + value * n
-                weights[key] = weights.get(key, 0) + n
-        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches if not is_placeholder(b))
-        if engine:
-            total, tokens, sums, weights = sum_step(engine.ranks, lambda v: engine.all_sum(v, device),
-                                                    total, tokens, sums, weights)
-        metrics = {key: value / weights[key] for key, value in sums.items() if weights[key]}
-        mean = total / max(loss_tokens, 1)
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # clip and report the true gradient norm
-        clip = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        grad_norm = (engine.grad_norm(self.params, clip) if engine
-                     else float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
-        if not (np.isfinite(mean) and np.isfinite(grad_norm)):
-            if self.scaler:
-                self.scaler.update()  # an fp16 overflow: lower the scale and try the next step
-            self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(mean, loss_tokens, tokens, grad_norm, skipped=True, metrics=metrics)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        return StepResult(mean, loss_tokens, tokens, grad_norm, metrics=metrics)
-
-    def _forward(self, objective, batch):
-        """One micro-batch's summed loss and metrics, through the engine's forward when there is one."""
-        def compute():
-            with self.offload.saving() if self.offload else contextlib.nullcontext():
-                return objective(self.handle, batch)
-
-        return self.engine.forward(compute) if self.engine else compute()
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), **self.runtime_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.load_runtime_state(state)
-
-    def runtime_state(self) -> dict:
-        """What a checkpoint keeps besides weights and optimizer: RNG streams and the loss scale."""
-        state = {"torch_rng": torch.get_rng_state()}
-        if self.backend.plan.device.type == "cuda":   # dropout on the GPU draws from its own generator
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.backend.plan.device)
-        if self.scaler:
-            state["loss_scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_runtime_state(self, state: dict) -> None:
-        torch.set_rng_state(state["torch_rng"])
-        if "cuda_rng" in state:
-            torch.cuda.set_rng_state(state["cuda_rng"], self.backend.plan.device)
-        if self.scaler and "loss_scaler" in state:
-            self.scaler.load_state_dict(state["loss_scaler"])
-
-
-class TokenLoss:
-    """SFT's objective: summed cross-entropy over label != -100 tokens, averaged per token."""
-
-    def __init__(self, backend: TorchBackend):
-        self.backend = backend
-
-    def count(self, batch) -> int:
-        return batch.loss_tokens
-
-    def __call__(self, handle, batch):
-        loss, _ = self.backend.loss_sum(handle, batch)
-        return loss, {}
-
-
-@contextlib.contextmanager
-def _quiet_if(quiet: bool):
-    from transformers.utils import logging as hf_logging
-
-    before = hf_logging.get_verbosity()
-    if quiet:
-        hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(before)
-
-
-def start_from(model, path: str) -> None:
-    """adapter.init_from: the freshly attached adapter takes the weights stored at `path` (a PEFT adapter of
-    the same kind, rank and modules: a previous curriculum stage's, from any backend)."""
-    import json
-
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    where = Path(path)
-    if not (where / "adapter_model.safetensors").is_file():
-        hint = (" (an mlx-lm adapter: convert it with `mudpuppy convert-adapter DIR OUT --to peft`)"
-                if (where / "adapters.safetensors").is_file() else "")
-        raise MudpuppyError(f"adapter.init_from {path}: no PEFT adapter there (adapter_model.safetensors){hint}")
-    saved = json.loads((where / "adapter_config.json").read_text(encoding="utf-8"))
-    mine = model.peft_config["default"]
-    problems = []
-    if saved.get("r") != mine.r or bool(saved.get("use_dora")) != bool(mine.use_dora):
-        problems.append(f"it is {'dora' if saved.get('use_dora') else 'lora'} r={saved.get('r')}, this run attaches "
-                        f"{'dora' if mine.use_dora else 'lora'} r={mine.r}")
-    state = load_file(str(where / "adapter_model.safetensors"))
-    expected = set(get_peft_model_state_dict(model))
-    if set(state) != expected:
-        diff = sorted(set(state) ^ expected)
-        problems.append(f"{len(diff)} tensors differ between it and this run's adapter (e.g. {', '.join(diff[:2])})")
-    if problems:
-        raise MudpuppyError(f"adapter.init_from {path}: {'; '.join(problems)}; use the same adapter settings as "
-                            "the run that wrote it")
-    set_peft_model_state_dict(model, state)
+        return greedy(self, handle, prompts, max_new_tokens, stop_ids)
 
 
 def _is_right_padded(mask: np.ndarray) -> bool:
     """True when every row is real tokens followed only by padding (or no padding at all)."""
     mask = np.asarray(mask)
     return bool(mask[:, 0].all() and (np.diff(mask, axis=1) <= 0).all())
-
-
-def _store_frozen_linears_in(model, dtype: torch.dtype) -> int:
-    """Keep frozen linear weights in the autocast dtype; returns how many were converted.
-
-    Autocast casts a weight to bf16 on every forward unless it is a trainable
-    leaf (only those casts are cached), so a frozen fp32 base is re-cast in
-    full each step. Matmuls see the same bf16 values either way; embeddings,
-    norms and the output head stay as they are.
-    """
-    output = model.get_output_embeddings()
-    converted = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (isinstance(module, torch.nn.Linear) and module is not output and isinstance(weight, torch.nn.Parameter)
-                and not weight.requires_grad and weight.dtype == torch.float32):
-            module.weight.data = weight.data.to(dtype)
-            if module.bias is not None and not module.bias.requires_grad:
-                module.bias.data = module.bias.data.to(dtype)
-            converted += 1
-    return converted
 
 
 def enable_checkpointing(model) -> None:
@@ -825,8 +486,3 @@ def enable_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _unwrap(model):
-    """The transformers model under a PEFT wrapper (LoRA layers stay injected in it)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model

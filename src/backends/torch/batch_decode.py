@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..decoding import SlotDecoder
-from .logprobs import unwrap
+from .handle import unwrap
 
 
 @dataclass

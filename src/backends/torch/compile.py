@@ -35,6 +35,7 @@ import sys
 import torch
 
 from ...errors import MudpuppyError
+from .handle import unwrap
 
 
 def compile_layers(model, backend: str | None = None, dynamic: bool | None = True) -> int:
@@ -49,7 +50,7 @@ def compile_layers(model, backend: str | None = None, dynamic: bool | None = Tru
     layers = find_layers(model)
     if not layers:
         raise MudpuppyError(
-            f"training.compile: no transformer decoder layers found in {type(_unwrap(model)).__name__} "
+            f"training.compile: no transformer decoder layers found in {type(unwrap(model)).__name__} "
             f"on the {backend} backend, so there is nothing to compile regionally; set training.compile: false")
     probe_compiler(_device_of(model), backend)
     for layer in layers:
@@ -82,7 +83,7 @@ def find_layers(model) -> list[torch.nn.Module]:
     compiling a block compiles what it contains."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    base = _unwrap(model)
+    base = unwrap(model)
     found: list[torch.nn.Module] = []
     inside: set[int] = set()
     for module in base.modules():              # parents come before their children
@@ -152,8 +153,3 @@ def _backend_name(model) -> str:
     if device.type == "cuda" and getattr(torch.version, "hip", None):
         return "rocm"
     return device.type
-
-
-def _unwrap(model):
-    """The transformers model under a PEFT wrapper (its layers hold the LoRA modules)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -22,7 +22,7 @@ import torch
 from ...distributed import launched
 from ...errors import BackendUnavailable
 from ..protocol import Availability
-from .backend import DevicePlan
+from .handle import DevicePlan
 
 # torch reads the first of these that is set. PYTORCH_ALLOC_CONF is the newer,
 # device-neutral name (torch >= 2.9); the per-vendor names still work everywhere.

@@ -45,6 +45,8 @@ import torch.distributed as dist
 
 from ... import distributed as ranks_module
 from ...errors import MudpuppyError
+from .handle import unwrap
+from .safe_load import load_torch_file
 
 DCP_DIR = "sharded"                     # inside a checkpoint: the DCP files
 RNG_FILE = "rng-rank{rank}.pt"
@@ -191,9 +193,7 @@ def mixed_precision(choice: str, compute_dtype: torch.dtype | None):
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The repeated blocks of a transformers model (the ModuleList holding most parameters)."""
-    from .backend import _unwrap
-
-    base = _unwrap(model)
+    base = unwrap(model)
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
     lists = [m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
     if not lists:
@@ -239,7 +239,6 @@ def load_sharded(handle, trainer, path: Path) -> None:
         set_optimizer_state_dict,
     )
 
-    from .state import load_torch_file
 
     options = StateDictOptions(ignore_frozen_params=True)
     state = {"model": get_model_state_dict(handle.model, options=options),

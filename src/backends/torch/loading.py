@@ -23,6 +23,7 @@ model at its storage precision; the load report says which path ran.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from dataclasses import dataclass, field
@@ -350,3 +351,17 @@ def load_qat_checkpoint(auto_class: str, directory: Path, dtype: torch.dtype, de
         raise MudpuppyError(f"{directory}: a converted QAT model is a causal LM; it cannot be loaded as "
                             f"{auto_class} (a reward model's base)")
     return load_quantized(directory, device, dtype, trust_remote_code), LoadReport("mudpuppy_qat", dtype)
+
+
+@contextlib.contextmanager
+def quiet_if(quiet: bool):
+    """transformers' loading messages silenced while `quiet`."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)

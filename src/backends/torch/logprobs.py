@@ -16,10 +16,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from .handle import IGNORE_INDEX, LOSS_CHUNK_TOKENS, unwrap
 from .heads import head_inputs
-
-IGNORE_INDEX = -100
-LOSS_CHUNK_TOKENS = 1024
 
 
 def sequence_logprobs(backend, handle, batch, grad: bool = True, router_aux: bool = False):
@@ -170,8 +168,3 @@ def token_scores(backend, handle, batch, grad: bool = True) -> torch.Tensor:
                               attention_mask=torch.as_tensor(batch.attention_mask, device=dev)).logits
     keep = torch.as_tensor(np.asarray(batch.labels) != IGNORE_INDEX, device=dev)
     return logits[keep].float()
-
-
-def unwrap(model):
-    """The transformers model under a PEFT wrapper (LoRA layers stay injected in it)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model

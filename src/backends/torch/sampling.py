@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from .logprobs import unwrap
+from .handle import unwrap
 
 
 @torch.no_grad()
@@ -80,3 +80,28 @@ def fresh_generation_config(model):
         yield
     finally:
         base.generation_config = saved
+
+
+@torch.no_grad()
+def greedy(backend, handle, prompts: list[list[int]], max_new_tokens: int,
+           stop_ids: list[int]) -> list[list[int]]:
+    """Greedy decoding, prompts left-padded into one batch."""
+    handle.model.eval()
+    pad = handle.tokenizer.pad_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        attn[row, width - len(p):] = 1
+    with backend._autocast(handle):
+        out = handle.model.generate(
+            input_ids=ids.to(backend.plan.device), attention_mask=attn.to(backend.plan.device),
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids,
+            pad_token_id=pad, use_cache=True,
+        )
+    results = []
+    for row in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
+        results.append(row[:cut])
+    return results

@@ -19,7 +19,6 @@ allow-list (distributed.py). Every file is checked before it is read
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from ...errors import MudpuppyError
 from ...files import CorruptFile, check_safetensors, check_torch_file
 from ..state_check import check_state_fits
+from .safe_load import load_torch_file
 
 WEIGHTS = "trainable.safetensors"
 TRAINER = "trainer.pt"
@@ -73,13 +73,3 @@ def load_training_state(backend, handle, trainer, path: str | Path) -> None:
         for name, tensor in tensors.items():
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
     trainer.load_state_dict(load_torch_file(path / TRAINER))
-
-
-def load_torch_file(path: Path):
-    """torch.load restricted to tensors and plain containers; a file that fails is named in one message."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CorruptFile(f"{path}: cannot be loaded ({first}); it is damaged, cut short, or holds more than "
-                          "tensors (such a file can run code when read, so it is refused)") from None
