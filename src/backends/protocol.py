@@ -64,6 +64,11 @@ class AdapterInfo:
     # those carry an adapter or train, "trainable": the parameters that adapt them}. Empty where not counted.
     groups: dict[str, dict[str, int]] = field(default_factory=dict)
 
+    def describe(self) -> str:
+        """The run log's adapter line: `lora, 1,234 trainable of 135,000 parameters; attention ...`."""
+        return (f"{self.kind}, {self.trainable_params:,} trainable of {self.total_params:,} parameters"
+                f"{self.describe_groups()}")
+
     def describe_groups(self) -> str:
         """`; attention 25,600 (LoRA 1,024), experts 196,608 (LoRA 16,384), router 512 (frozen)`, or ''."""
         parts = []
@@ -85,6 +90,10 @@ class ModelHandle(Protocol):
     model: Any
     tokenizer: Any
     source: str                # where the weights came from (resolved path)
+
+    def describe(self) -> str:
+        """How the weights were loaded, for the run log: the path they took, the storage dtype and the
+        attention implementation chosen for the family."""
 
 
 class ArrayOps(Protocol):

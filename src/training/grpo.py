@@ -66,8 +66,8 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
          f"rewards: {', '.join(f'{f.name} x{f.spec.weight:g}' for f in funcs)}")
 
     info = backend.attach_adapter(handle, cfg.adapter)
-    echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters"
-         f"{info.describe_groups()}")
+    echo(f"model: {handle.describe()}")
+    echo(f"adapter: {info.describe()}")
     evaluate = held_out_reward(cfg, backend, handle, data.val, funcs) if data.val else None
     state = LoopState()
     if cfg.eval.before_training and evaluate is not None and resume_from is None:

@@ -87,7 +87,8 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         echo(f"before training: {_describe(before)}")
 
     info = backend.attach_adapter(handle, cfg.adapter)
-    echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters")
+    echo(f"model: {handle.describe()}")
+    echo(f"adapter: {info.describe()}")
     layers = qat.prepare_qat(handle.model, spec)
     start_fq = cfg.qat.fake_quant_after_n_steps or 0
     echo(f"qat: {layers.describe()}; fake quantization from step {start_fq + 1}")

@@ -78,8 +78,8 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     outputs.take_output_dir(cfg, claim, echo)                  # model and data loaded: now the old run goes
 
     info = backend.attach_adapter(handle, cfg.adapter)
-    echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters"
-         f"{info.describe_groups()}")
+    echo(f"model: {handle.describe()}")
+    echo(f"adapter: {info.describe()}")
     if recipe.prepare is not None:
         train_items, val_items = recipe.prepare(backend, handle, train_items, val_items)
     pad = handle.tokenizer.pad_token_id

@@ -48,8 +48,8 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         echo(f"before training: {_describe(before)}")
 
     info = backend.attach_adapter(handle, cfg.adapter)
-    echo(f"adapter: {info.kind}, {info.trainable_params:,} trainable of {info.total_params:,} parameters"
-         f"{info.describe_groups()}")
+    echo(f"model: {handle.describe()}")
+    echo(f"adapter: {info.describe()}")
     trainer = backend.create_trainer(handle, cfg.training)
     batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
     steps = total_steps_for(cfg, batcher)

@@ -45,6 +45,10 @@ def trained(request, tmp_path_factory):
     out = invoke("run", "--config", root / "cfg.yaml").output
     if family == "qwen3moe":        # all-linear reached the fused experts (the adapter line counts them)
         assert "experts" in out.split("adapter:", 1)[1].splitlines()[0], out
+    # The run log says how the weights loaded and which attention the family got (Gemma 3: SDPA, its
+    # sliding layers' windows composed with the packing mask).
+    model_line = out.split("model: ", 1)[1].splitlines()[0]
+    assert model_line.startswith("loaded ") and model_line.endswith(", sdpa attention"), out
     invoke("export", root / "run", "--format", "merged", "--dtype", "fp32", "--out", root / "merged")
     return family, root / "run", root / "merged"
 

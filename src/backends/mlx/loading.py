@@ -71,6 +71,12 @@ class MlxModel:
     quantization: dict | None = None           # the 4-bit base's summary once quantized (while loading or after)
     router_aux_coef: float = 0.0               # the routers' load-balancing loss weight in training (router_loss.py)
 
+    def describe(self) -> str:
+        base = "4-bit " + self.quantization["quant_backend"] if self.quantization else self.precision
+        return (f"loaded through mlx-lm's {self.config.get('model_type', 'model')} at {base}, "
+                f"{'masked' if self.masks else 'causal-only'} attention"
+                f"{', head on loss positions only' if self.split_head else ''}")
+
 
 def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None, adapter=None) -> MlxModel:
     """The model at its storage precision, read lazily and materialized one module at a time.

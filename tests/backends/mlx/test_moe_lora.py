@@ -189,3 +189,8 @@ def test_router_aux_loss_coef_is_refused_for_a_model_without_a_router(model_dirs
 
     with pytest.raises(MudpuppyError, match="router_aux_loss_coef.*no router"):
         mlx_backend.load_model(ModelConfig(base_model=str(model_dirs("qwen3")), router_aux_loss_coef=0.01), "fp32")
+
+
+def test_the_handle_says_how_it_loaded(model_dirs, mlx_backend):
+    m = mlx_backend.load_model(model_cfg(model_dirs("qwen3_moe")), "fp32")
+    assert m.describe() == "loaded through mlx-lm's qwen3_moe at fp32, masked attention, head on loss positions only"
