@@ -56,7 +56,7 @@ def backend():
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """Each family saved as a checkpoint with the local tokenizer (Qwen3-MoE and Mixtral save their experts
-    one by one, so they load through transformers; gpt-oss saves them fused and loads tensor by tensor)."""
+    one by one, as on the hub; gpt-oss saves them fused): all three load tensor by tensor."""
     root = tmp_path_factory.mktemp("moe")
     tokenizer = build_tokenizer(root / "tokenizer")
     dirs = {}
@@ -224,7 +224,29 @@ def test_the_preference_objective_adds_the_term_once_per_pair(backend, model_dir
 # ------------------------------------------------------------------ QLoRA
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_experts_stored_one_by_one_stream_into_the_fused_stacks(backend, model_dirs, family):
+    """The hub's Qwen3-MoE and Mixtral checkpoints hold each expert as its own linears (Mixtral under
+    block_sparse_moe, w1/w3/w2): they stream tensor by tensor, one fused stack at a time (QLoRA quantizes
+    each as it is built), to exactly the weights transformers' own loader builds."""
+    from safetensors import safe_open
+
+    path = model_dirs[family]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert any(".experts.0." in n for n in names) and not any(n.endswith("experts.gate_up_proj") for n in names)
+    handle = backend.load_model(ModelConfig(base_model=str(path)), precision="fp32")
+    assert handle.load_report.path == "streamed"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).state_dict()
+    mine = handle.model.state_dict()
+    assert sorted(mine) == sorted(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    quantized, _ = load(backend, model_dirs, family, type="qlora")
+    assert quantized.load_report.path == "streamed"
+    assert sum(isinstance(p, PackedExperts) for p in quantized.model.parameters()) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_qlora_keeps_experts_in_four_bits_and_trains_them(backend, model_dirs, family, tmp_path):
     handle, info = load(backend, model_dirs, family, type="qlora")
     stacks = [p for p in handle.model.parameters() if isinstance(p, PackedExperts)]

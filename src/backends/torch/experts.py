@@ -189,6 +189,46 @@ def strip_wrappers(name: str) -> str:
     return ".".join(p for p in name.split(".") if p != "base_layer")
 
 
+# --------------------------------------------------------------------------- per-expert checkpoints
+
+# model_type -> (checkpoint renames, fused leaf -> the per-expert linears concatenated into it, in order): what
+# transformers 5's conversion_mapping does for checkpoints that store each expert as its own linear layers
+# (the hub's Qwen3-MoE and Mixtral), so they stream tensor by tensor instead of loading dense first.
+PER_EXPERT = {
+    "qwen2_moe": ((), {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
+    "qwen3_moe": ((), {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
+    "mixtral": (((".block_sparse_moe.", ".mlp."),), {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
+}
+
+
+def per_expert_layout(model_type: str, missing: set[str], names: set[str]) -> tuple[dict, dict]:
+    """For a checkpoint of `names` that stores experts one by one: ({model key: checkpoint key} for the
+    tensors it names otherwise, {fused model key: [[checkpoint keys concatenated along rows] per expert]})
+    for the `missing` fused stacks it can build; ({}, {}) for any other family."""
+    if model_type not in PER_EXPERT:
+        return {}, {}
+    renames, parts = PER_EXPERT[model_type]
+
+    def model_key(name: str) -> str:
+        for old, new in renames:
+            name = name.replace(old, new)
+        return name
+
+    by_model = {model_key(n): n for n in names}
+    renamed = {m: n for m, n in by_model.items() if m != n}
+    fused = {}
+    for key in missing:
+        prefix, _, leaf = key.rpartition(".")
+        if leaf not in parts or not prefix.endswith(".experts"):
+            continue
+        experts = []
+        while all(f"{prefix}.{len(experts)}.{src}.weight" in by_model for src in parts[leaf]):
+            experts.append([by_model[f"{prefix}.{len(experts)}.{src}.weight"] for src in parts[leaf]])
+        if experts:
+            fused[key] = experts
+    return renamed, fused
+
+
 # --------------------------------------------------------------------------- the auxiliary loss
 
 

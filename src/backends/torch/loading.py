@@ -34,6 +34,7 @@ from torch import nn
 
 from ...errors import MudpuppyError
 from .attention import choose_attention
+from .experts import per_expert_layout
 from .frozen import FrozenLinear
 from ...quantization.qat import is_qat_checkpoint, load_quantized
 from .gptq_linear import gptq_settings_of, install_gptq_layers
@@ -133,6 +134,11 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
     return entries
 
 
+def read_entry(entry: TensorEntry) -> torch.Tensor:
+    with entry.file.open("rb", buffering=0) as fh:
+        return read_tensor(fh, entry)
+
+
 def read_tensor(fh, entry: TensorEntry) -> torch.Tensor:
     """One tensor into fresh host memory with a plain read: the page cache holds the file, not this process."""
     raw = torch.empty(entry.nbytes, dtype=torch.uint8)
@@ -193,7 +199,14 @@ def load_weights(model: nn.Module, directory: Path, dtype: torch.dtype, device: 
         entries.update(read_header(path))
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     expected = set(model.state_dict().keys())
-    missing = expected - entries.keys()
+    # Experts stored one by one (the hub's Qwen3-MoE, Mixtral): each fused stack is built from its
+    # experts' tensors, one stack at a time (experts.per_expert_layout).
+    renamed, fused = per_expert_layout(getattr(model.config, "model_type", ""), expected - entries.keys(),
+                                       set(entries))
+    entries.update({key: entries[name] for key, name in renamed.items()})
+    if any(len(parts) != model.get_parameter(key).shape[0] for key, parts in fused.items()):
+        return None
+    missing = expected - entries.keys() - fused.keys()
     new = sorted(k for k in missing - tied if k.split(".")[0] in new_modules)
     if missing - tied - set(new):
         return None            # renamed or converted keys: transformers knows how to map them
@@ -208,6 +221,12 @@ def load_weights(model: nn.Module, directory: Path, dtype: torch.dtype, device: 
                 tensor = read_tensor(fh, entries[key])
                 place_tensor(model, key, tensor, dtype, device, frozen, pending_bias)
                 report.tensors += 1
+    for key, experts in sorted(fused.items()):
+        stack = torch.stack([torch.cat([cast(read_entry(entries[name]), dtype) for name in parts])
+                             for parts in experts])
+        place_tensor(model, key, stack, dtype, device, frozen, pending_bias)
+        report.tensors += sum(len(parts) for parts in experts)
+        del stack
     finish_model(model, missing, new, device)
     return report
 
