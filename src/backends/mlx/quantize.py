@@ -41,7 +41,7 @@ def quant_format(adapter_cfg) -> str:
 
 
 def quantize_base(model: nn.Module, quant_backend: str = "int4") -> dict:
-    """Quantize the model's linear layers in place; returns what was done, for the run report.
+    """Quantize the model's linear layers and expert stacks in place; returns what was done, for the run report.
 
     A layer whose input width is not a multiple of the group size cannot be
     quantized in this format and stays in full precision (mlx-lm's converter
@@ -53,8 +53,16 @@ def quantize_base(model: nn.Module, quant_backend: str = "int4") -> dict:
     mode, bits, group_size = FORMATS[quant_backend]
     chosen, skipped = [], []
 
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from .experts import router_paths
+
+    routers = router_paths(model)     # full precision, as on torch (its routers are no linear layers)
+
     def pick(path: str, module: nn.Module) -> bool:
-        if not isinstance(module, nn.Linear) or path.rsplit(".", 1)[-1] in HEAD_LEAVES:
+        # Linear layers and mixture-of-experts stacks (SwitchLinear: most of such a model's weights).
+        if (not isinstance(module, (nn.Linear, SwitchLinear)) or path.rsplit(".", 1)[-1] in HEAD_LEAVES
+                or path in routers):
             return False
         if module.weight.shape[-1] % group_size:
             skipped.append(path)

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 mx = pytest.importorskip("mlx.core")
+mlx = pytest.importorskip("mlx")
+import mlx.nn  # noqa: E402
 pytest.importorskip("mlx_lm")
 
 from mudpuppy.backends import adapters as fmt
@@ -194,3 +196,32 @@ def test_router_aux_loss_coef_is_refused_for_a_model_without_a_router(model_dirs
 def test_the_handle_says_how_it_loaded(model_dirs, mlx_backend):
     m = mlx_backend.load_model(model_cfg(model_dirs("qwen3_moe")), "fp32")
     assert m.describe() == "loaded through mlx-lm's qwen3_moe at fp32, masked attention, head on loss positions only"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qlora_on_mlx_quantizes_the_experts_and_trains_their_adapter(family, model_dirs, mlx_backend):
+    """QLoRA's 4-bit base includes the expert stacks (mlx-lm's QuantizedSwitchLinear), most of an MoE
+    model's weights; the routers stay full precision, as on torch; all-linear adapts the quantized
+    experts and one step moves their pairs."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    cfg = AdapterConfig(type="qlora", r=4, alpha=8)
+    m = mlx_backend.load_model(model_cfg(model_dirs(family)), "fp32", adapter=cfg)
+    info = mlx_backend.attach_adapter(m, cfg)
+    modules = dict(m.model.named_modules())
+    stacks = [mod for mod in modules.values() if isinstance(mod, (SwitchLinear, QuantizedSwitchLinear))]
+    # The tiny models' down stacks read 32 columns, under a group of 64: those stay full precision, reported.
+    assert any(isinstance(mod, QuantizedSwitchLinear) for mod in stacks)
+    assert all(isinstance(mod, QuantizedSwitchLinear) == (mod.input_dims % 64 == 0) for mod in stacks)
+    assert sum(".experts." in p or "switch_mlp" in p for p in m.quantization["kept_full_precision"]) == sum(
+        isinstance(mod, SwitchLinear) for mod in stacks)
+    from mudpuppy.backends.mlx.experts import router_paths
+
+    assert all(isinstance(modules[p], mlx.nn.Linear) for p in router_paths(m.model))
+    assert {"experts.gate_up_proj", "experts.down_proj"} <= set(info.target_modules)
+    before = {k: np.array(v) for k, v in _flat(m.model.trainable_parameters()) if "lora_b" in k}
+    trainer = mlx_backend.create_trainer(m, TrainingConfig(max_steps=1, learning_rate=1e-2))
+    assert np.isfinite(trainer.step([batch()], 1e-2).loss)
+    after = dict(_flat(m.model.trainable_parameters()))
+    assert any(("gate_up" in k or k.endswith("down.lora_b")) and not np.array_equal(v, np.array(after[k]))
+               for k, v in before.items())
