@@ -213,11 +213,17 @@ def load_tokenizer(model_cfg, model_dir: Path | str):
     the resolved `model_dir`, padding with EOS where it names no pad token, the
     way both backends set it up: the cache key depends on it.
     """
-    source = model_cfg.tokenizer or str(model_dir)
     if is_vision_model(model_cfg):
-        return load_vision_tokenizer(source, model_cfg.trust_remote_code)
+        return load_vision_tokenizer(model_cfg.tokenizer or str(model_dir), model_cfg.trust_remote_code)
+    return load_text_tokenizer(model_cfg, model_dir)
+
+
+def load_text_tokenizer(model_cfg, model_dir: Path | str):
+    """The Hugging Face tokenizer of `model.tokenizer` or `model_dir`, padding with EOS where it names no pad
+    token: the one setup every backend uses, so their batches are identical."""
     from transformers import AutoTokenizer
 
+    source = model_cfg.tokenizer or str(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from ...data.prepare import load_text_tokenizer
 from ...errors import MudpuppyError
 from ..models import patch_rope_theta, resolve_model
 from ..routing import router_aux_coefficient
@@ -136,7 +137,7 @@ def load_model(model_cfg, precision: str, gpu: bool, head: str | None = None, ad
         frozen_base(model, head).set_dtype(mx.bfloat16)
     materialize(model)
     model.eval()
-    tokenizer = load_tokenizer(model_cfg, Path(resolved.path))
+    tokenizer = load_text_tokenizer(model_cfg, Path(resolved.path))
     handle = MlxModel(model, tokenizer, str(resolved.path), config, precision, head=head, quantization=quantization,
                       router_aux_coef=aux_coef)
     if aux_coef and not record_routers(model):
@@ -187,17 +188,6 @@ def head_config(config: dict, head: str, pad_token_id: int | None) -> dict:
     labels = {str(i): f"LABEL_{i}" for i in range(num_labels)}
     return {**config, "architectures": arches, "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()},
             "pad_token_id": pad_token_id}
-
-
-def load_tokenizer(model_cfg, default_path: Path):
-    """The Hugging Face tokenizer, set up exactly as the torch backend does, so batches are identical."""
-    from transformers import AutoTokenizer
-
-    source = model_cfg.tokenizer or str(default_path)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def resolve_precision(precision: str, gpu: bool) -> str:

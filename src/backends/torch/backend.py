@@ -163,13 +163,9 @@ class TorchBackend:
         return plan
 
     def load_tokenizer(self, model_cfg, default_path: Path):
-        from transformers import AutoTokenizer
+        from ...data.prepare import load_text_tokenizer
 
-        source = model_cfg.tokenizer or str(default_path)
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return tokenizer
+        return load_text_tokenizer(model_cfg, default_path)
 
     def compute_dtype(self, precision: str) -> torch.dtype | None:
         if precision == "fp32":
