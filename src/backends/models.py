@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..data.tokenizers import save_tokenizer
 from ..errors import ModelNotFound
 from ..files import check_directory
 
@@ -330,7 +331,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False
     del loaded
 
     plain.save_pretrained(out_dir)  # transformers 5 always writes safetensors
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)
     if not notes["has_chat_template"]:
         logger.warning("%s carries no chat template; chat-format data will need one in the config", gguf_path)
 

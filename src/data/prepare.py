@@ -23,6 +23,7 @@ from .render import RenderOptions, instruction_prompt
 from .templates import apply_chat_template_choice, template_warnings
 from .tokenize import needs_template, tokenize_records, tool_format_for
 from .tools import uses_tools
+from .tokenizers import load_text_tokenizer
 from .vision import is_vision_model, is_vision_tokenizer, load_vision_tokenizer, vision_problems
 from .images import resolve_images
 
@@ -217,17 +218,6 @@ def load_tokenizer(model_cfg, model_dir: Path | str):
         return load_vision_tokenizer(model_cfg.tokenizer or str(model_dir), model_cfg.trust_remote_code)
     return load_text_tokenizer(model_cfg, model_dir)
 
-
-def load_text_tokenizer(model_cfg, model_dir: Path | str):
-    """The Hugging Face tokenizer of `model.tokenizer` or `model_dir`, padding with EOS where it names no pad
-    token: the one setup every backend uses, so their batches are identical."""
-    from transformers import AutoTokenizer
-
-    source = model_cfg.tokenizer or str(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: str | None = None,

@@ -58,7 +58,12 @@ def convert_to_mlx(model_dir: Path, out_dir: Path, dtype: str, quant: str | None
     with contextlib.redirect_stdout(log):     # its "[INFO] ..." lines; ours say what happened
         convert(str(model_dir), mlx_path=str(out_dir), quantize=bits is not None, q_bits=bits,
                 q_group_size=GROUP_SIZE if bits else None, dtype=DTYPES[dtype])
-    config = json.loads((Path(out_dir) / "config.json").read_text(encoding="utf-8"))
+    config_path = Path(out_dir) / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    # mlx-lm copies the merge's config: the dtype the weights are stored in, and a KV cache for whoever loads it.
+    config.update({"dtype": DTYPES[dtype], "use_cache": True})
+    config.pop("torch_dtype", None)
+    config_path.write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
     quantization = config.get("quantization")
     record = {"dtype": DTYPES[dtype], "quantization": quantization,
               "bytes": sum(f.stat().st_size for f in Path(out_dir).glob("*.safetensors"))}

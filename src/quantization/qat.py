@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.tokenizers import save_tokenizer
 from ..errors import MudpuppyError
 from .kernels import QuantizedLinear, count_bytes, pack_int4, unpack_int4
 
@@ -313,7 +314,7 @@ def save_quantized(model: nn.Module, tokenizer, path: str | Path) -> int:
             state[f"{name}.qweight"] = pack_int4(state[f"{name}.qweight"])
     model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
+        save_tokenizer(tokenizer, path)
     return count_bytes(model)
 
 

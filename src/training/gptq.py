@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 import time
 
+from ..data.tokenizers import save_tokenizer
 from ..data import load_data, prepare_sft_data
 from ..errors import DataError, MudpuppyError
 from ..evaluation import EvalResult, evaluate
@@ -95,7 +96,7 @@ def _run_torch(cfg, backend, overwrite: bool, echo) -> RunResult:
     qconfig = quantization_config(spec.bits, spec.group_size, spec.sym, spec.desc_act, spec.damp_percent,
                                   g.true_sequential, spec.damp_auto_increment, __version__, blocks)
     files = save_quantized(host, out, qconfig, source)
-    tokenizer.save_pretrained(str(out))           # with the chat template the data was rendered with
+    save_tokenizer(tokenizer, out)           # with the chat template the data was rendered with
     del host
     echo(f"saved the GPTQ model to {out} ({report.linears} linear layers in {report.seconds:.0f} s)")
 

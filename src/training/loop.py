@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..data.tokenizers import save_tokenizer
 from .. import files
 from ..data import Batcher
 from ..distributed import current as current_ranks
@@ -282,7 +283,7 @@ def save_trained(cfg, backend, handle, out: Path) -> None:
         else:
             backend.save_adapter(handle, str(stage))       # collective in a distributed run; rank 0 writes
             if current_ranks().is_main:
-                handle.tokenizer.save_pretrained(str(stage))
+                save_tokenizer(handle.tokenizer, stage)
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ import json
 import shutil
 import time
 
+from ..data.tokenizers import save_tokenizer
 from ..data import Batcher, load_data, prepare_sft_data
 from ..errors import MudpuppyError
 from ..evaluation import EvalResult, evaluate
@@ -231,7 +232,7 @@ def _save_trained(cfg, backend, handle, path) -> None:
         backend.save_model(handle, str(path))    # fake quantizers hold no tensors: the state dict is the model's
     else:
         backend.save_adapter(handle, str(path))
-        handle.tokenizer.save_pretrained(str(path))
+        save_tokenizer(handle.tokenizer, path)
 
 
 def _report(echo, spec, baseline, fake, converted) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..data.tokenizers import save_tokenizer
 from ..data import Batcher, load_data, prepare_data
 from ..data.pairs import Screening, drop_screened, fixed_item_batches, screen_records
 from ..errors import DataError
@@ -143,7 +144,7 @@ def save_whole(cfg, backend, handle, out: Path, echo) -> None:
         backend.save_adapter(handle, str(adapter))       # collective in a distributed run; rank 0 writes
         if not current().is_main:
             return                  # under ddp rank 0 holds the whole model too, and merges it alone
-        handle.tokenizer.save_pretrained(str(adapter))
+        save_tokenizer(handle.tokenizer, adapter)
         dtype = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
         backend.merge_and_save(handle, str(stage), dtype)
     echo(f"saved the whole model ({dtype}, adapter merged) to {out}; the adapter alone to {out / ADAPTER_DIR}")

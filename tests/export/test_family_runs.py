@@ -99,7 +99,24 @@ def test_the_run_exports_to_mlx_and_mlx_lm_reads_it(trained, tmp_path):
     invoke("export", run, "--format", "mlx", "--dtype", "fp32", "--out", tmp_path / "mlx")
     config = json.loads((tmp_path / "mlx" / "config.json").read_text())
     assert config["model_type"] in ("gemma3_text", "qwen3_moe")
+    # The dtype its weights are stored in, and a KV cache for whoever generates with it.
+    assert config["dtype"] == "float32" and config["use_cache"] is True and "torch_dtype" not in config
     ids = AutoTokenizer.from_pretrained(str(merged))(TEXT)["input_ids"]
     model, _ = load(str(tmp_path / "mlx"))
     got = np.array(model(mx.array([ids]))[0].astype(mx.float32))
     np.testing.assert_allclose(got, merged_logits(merged, ids), atol=1e-4, rtol=0)
+
+
+def test_what_the_run_and_its_merge_write_loads_elsewhere(trained):
+    """Tokenizer files name a class transformers 4.x loads too (5.x would write TokenizersBackend), with
+    the same ids; the merged config.json generates with a KV cache (training loaded it off)."""
+    from transformers import AutoTokenizer
+
+    _, run, merged = trained
+    written = [w for w in (run, run / "adapter", merged) if (w / "tokenizer_config.json").is_file()]
+    assert merged in written and len(written) >= 2, written
+    for where in written:
+        assert json.loads((where / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+        assert AutoTokenizer.from_pretrained(str(where))(TEXT)["input_ids"] == \
+            AutoTokenizer.from_pretrained(str(run.parent / "base"))(TEXT)["input_ids"]
+    assert json.loads((merged / "config.json").read_text())["use_cache"] is True

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ...data.tokenizers import save_tokenizer
 from ...errors import MudpuppyError
 from ..adapters import choose_target_modules, choose_target_parameters
 from ..protocol import AdapterInfo, Sampling
@@ -79,7 +80,7 @@ class MlxBackend:
         if handle.head:
             config = head_config(config, handle.head, handle.tokenizer.pad_token_id)
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        handle.tokenizer.save_pretrained(str(out))
+        save_tokenizer(handle.tokenizer, out)
 
     # ---------------------------------------------------------------- adapters
     def quantize_base(self, handle: MlxModel, adapter_cfg) -> dict:

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from ...data.prepare import load_text_tokenizer
+from ...data.tokenizers import load_text_tokenizer
 from ...errors import MudpuppyError
 from ..models import patch_rope_theta, resolve_model
 from ..routing import router_aux_coefficient

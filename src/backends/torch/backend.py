@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...data.tokenizers import load_text_tokenizer, save_tokenizer
 from ...errors import MudpuppyError
 from ...quantization.qat import is_qat_checkpoint
 from ..models import resolve_model
@@ -163,8 +164,6 @@ class TorchBackend:
         return plan
 
     def load_tokenizer(self, model_cfg, default_path: Path):
-        from ...data.prepare import load_text_tokenizer
-
         return load_text_tokenizer(model_cfg, default_path)
 
     def compute_dtype(self, precision: str) -> torch.dtype | None:
@@ -180,8 +179,9 @@ class TorchBackend:
         """The whole model; in a distributed run gathered to rank 0, which alone writes."""
         state = self._gather_state(handle, trainable_only=False)
         if self.ranks.is_main:
-            handle.model.save_pretrained(path, safe_serialization=True, **state)
-            handle.tokenizer.save_pretrained(path)
+            with cache_on(handle.model):
+                handle.model.save_pretrained(path, safe_serialization=True, **state)
+            save_tokenizer(handle.tokenizer, path)
 
     def _gather_state(self, handle: TorchModel, trainable_only: bool) -> dict:
         """{} for one process; else {"state_dict": the full state on rank 0} (collective under FSDP)."""
@@ -239,8 +239,9 @@ class TorchBackend:
         from .merge import merge_adapter
 
         handle.model = merge_adapter(handle.model)
-        handle.model.to(getattr(torch, dtype)).save_pretrained(path)
-        handle.tokenizer.save_pretrained(path)
+        with cache_on(handle.model):
+            handle.model.to(getattr(torch, dtype)).save_pretrained(path)
+        save_tokenizer(handle.tokenizer, path)
 
     # --------------------------------------------------------- training state
     def save_training_state(self, handle: TorchModel, trainer, path: str) -> None:
@@ -482,3 +483,18 @@ def enable_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@contextlib.contextmanager
+def cache_on(model):
+    """`use_cache: true` in the config.json a saved model carries (training loads it off): the model
+    someone loads from it generates with a KV cache."""
+    configs = [c for c in (model.config, getattr(model.config, "text_config", None)) if c is not None]
+    before = [c.use_cache for c in configs]
+    for config in configs:
+        config.use_cache = True
+    try:
+        yield
+    finally:
+        for config, value in zip(configs, before):
+            config.use_cache = value
