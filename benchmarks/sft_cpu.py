@@ -222,11 +222,12 @@ def main() -> None:
     t, m = runs["trl"][0], runs["mudpuppy"][0]
     ratios = [tokens_per_second(b) / tokens_per_second(a) for a, b in zip(runs["trl"], runs["mudpuppy"])]
     rss_ratio = statistics.median(b["peak_rss_mb"] / a["peak_rss_mb"] for a, b in zip(runs["trl"], runs["mudpuppy"]))
+    held = evaluate_adapters({"trl": args.out / "trl" / "adapter", "mudpuppy": args.out / "mudpuppy"})
     print(f"\nthroughput ratio mudpuppy/TRL: {spread(ratios, '{:.2f}')}x"
           + (" (median (min-max) over the run pairs)" if args.repeat > 1 else "")
-          + f"   peak RSS ratio: {rss_ratio:.2f}")
-
-    held = evaluate_adapters({"trl": args.out / "trl" / "adapter", "mudpuppy": args.out / "mudpuppy"})
+          + f"   peak RSS ratio: {rss_ratio:.2f}"
+          + f"   held-out exact match: mudpuppy {held['mudpuppy']['exact_match']:.1%}, TRL {held['trl']['exact_match']:.1%}")
+    print("  (one seed; benchmarks/quality.py compares held-out quality over 5 seeds)")
     print("\nheld-out (configs/data/smart_home_val.jsonl, 120 examples, same evaluator, fp32"
           + (", first run of each" if args.repeat > 1 else "") + "):")
     for which, r in held.items():

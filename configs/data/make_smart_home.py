@@ -80,14 +80,19 @@ def generate(n_train: int = 480, n_val: int = 120, seed: int = 7) -> tuple[list[
     return rows[:n_train], rows[n_train:]
 
 
-def main() -> None:
+def write_splits(splits: dict[str, list[dict]]) -> None:
+    """Each split as JSON lines next to this script (the other make_*.py scripts use it too)."""
     here = Path(__file__).parent
-    train, val = generate()
-    for name, rows in (("smart_home_train.jsonl", train), ("smart_home_val.jsonl", val)):
+    for name, rows in splits.items():
         with (here / name).open("w", encoding="utf-8") as fh:
             for row in rows:
                 fh.write(json.dumps(row) + "\n")
         print(f"wrote {len(rows)} records to {here / name}")
+
+
+def main() -> None:
+    train, val = generate()
+    write_splits({"smart_home_train.jsonl": train, "smart_home_val.jsonl": val})
 
 
 if __name__ == "__main__":
