@@ -22,7 +22,8 @@ from ..models import resolve_model
 from ..protocol import AdapterInfo
 from ..routing import read_router_aux_coefficient
 from . import logprobs
-from .handle import HEADS, IGNORE_INDEX, LOSS_CHUNK_TOKENS, SCALAR_HEADS, DevicePlan, TorchModel, unwrap
+from .handle import (HEADS, IGNORE_INDEX, LOSS_CHUNK_TOKENS, SCALAR_HEADS, DevicePlan, TorchModel, attribute_set,
+                     unwrap)
 from .attach import attach_adapter
 from .trainer import TorchTrainer
 from .attention import attention_kernels, packing_mask
@@ -485,16 +486,8 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-@contextlib.contextmanager
 def cache_on(model):
     """`use_cache: true` in the config.json a saved model carries (training loads it off): the model
     someone loads from it generates with a KV cache."""
     configs = [c for c in (model.config, getattr(model.config, "text_config", None)) if c is not None]
-    before = [c.use_cache for c in configs]
-    for config in configs:
-        config.use_cache = True
-    try:
-        yield
-    finally:
-        for config, value in zip(configs, before):
-            config.use_cache = value
+    return attribute_set(configs, "use_cache", True)

@@ -4,6 +4,7 @@ so the device, distributed and state modules can use these without importing the
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,3 +64,16 @@ class TorchModel:
 def unwrap(model):
     """The transformers model under a PEFT wrapper (LoRA layers stay injected in it)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextlib.contextmanager
+def attribute_set(objects: list, name: str, value):
+    """Within: `name` is `value` on each of `objects`; afterwards what each had (True where unset)."""
+    before = [getattr(obj, name, True) for obj in objects]
+    for obj in objects:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, old in zip(objects, before):
+            setattr(obj, name, old)

@@ -21,6 +21,8 @@ import contextlib
 
 from torch import nn
 
+from .handle import attribute_set
+
 
 def plain_lora_layers(model: nn.Module) -> list[nn.Module]:
     """LoRA layers of `model` whose input cast can be skipped: no variant, no dropout."""
@@ -40,11 +42,5 @@ def plain_lora_layers(model: nn.Module) -> list[nn.Module]:
 def lora_inputs_uncast(layers: list[nn.Module]):
     """Within: `layers` (from `plain_lora_layers`) take their input as it comes. Hold it only
     where autocast computes the low-rank product in the input's dtype anyway."""
-    before = [getattr(layer, "cast_input_dtype_enabled", True) for layer in layers]
-    for layer in layers:
-        layer.cast_input_dtype_enabled = False
-    try:
+    with attribute_set(layers, "cast_input_dtype_enabled", False):
         yield
-    finally:
-        for layer, value in zip(layers, before):
-            layer.cast_input_dtype_enabled = value
