@@ -369,14 +369,10 @@ class TorchBackend:
         added here once per loss token, so that the trainer's mean over tokens is the model's own
         loss. `router_aux` False leaves it out (held-out loss and perplexity).
         """
-        from .experts import adds_router_aux_loss, batch_router_aux_loss
-
         inputs, labels = self._tensors(batch, handle.model, processor=handle.processor)
         base = unwrap(handle.model)
-        aux = router_aux and handle.head is None and handle.processor is None and adds_router_aux_loss(base)
-        record: dict = {}
-        if aux:
-            inputs = {**inputs, "output_router_logits": True}
+        inputs, record = logprobs.router_logits_asked(
+            base, inputs, router_aux and handle.head is None and handle.processor is None)
         with self._autocast(handle):
             body = backbone(base) if handle.processor is not None else base.get_decoder()
             keep = labels != IGNORE_INDEX
@@ -390,8 +386,8 @@ class TorchBackend:
                 logits = head(hidden[start : start + LOSS_CHUNK_TOKENS])
                 total = total + torch.nn.functional.cross_entropy(
                     logits, targets[start : start + LOSS_CHUNK_TOKENS], reduction="sum")
-        if aux and targets.numel():
-            total = total + batch_router_aux_loss(base, record.get("outputs"), batch, total.device) * targets.numel()
+        if record is not None and targets.numel():
+            total = total + logprobs.aux_term(self, base, record, batch) * targets.numel()
         return total, int(targets.numel())
 
     @_gathered

@@ -268,7 +268,7 @@ def batch_router_aux_loss(model: nn.Module, outputs, batch, device: torch.device
 
 def set_router_aux_loss(model: nn.Module, coefficient: float) -> None:
     """`model.router_aux_loss_coef` from the run's config: the model's forward (and ours) add the
-    load-balancing loss with this weight, or not at all at 0 (models.router_aux_coefficient)."""
+    load-balancing loss with this weight, or not at all at 0 (routing.router_aux_coefficient)."""
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         config.output_router_logits = coefficient > 0
         config.router_aux_loss_coef = coefficient

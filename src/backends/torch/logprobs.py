@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from .experts import adds_router_aux_loss, batch_router_aux_loss
 from .handle import IGNORE_INDEX, LOSS_CHUNK_TOKENS, unwrap
 from .heads import head_inputs
 
@@ -52,8 +53,6 @@ def sequence_logprobs(backend, handle, batch, grad: bool = True, router_aux: boo
 def router_logits_asked(base, inputs: dict, router_aux: bool) -> tuple[dict, dict | None]:
     """The forward's inputs, asking for router logits where the model adds their loss; and the
     record head_inputs keeps the outputs in (None when nothing is asked)."""
-    from .experts import adds_router_aux_loss
-
     if router_aux and adds_router_aux_loss(base):
         return {**inputs, "output_router_logits": True}, {}
     return inputs, None
@@ -61,8 +60,6 @@ def router_logits_asked(base, inputs: dict, router_aux: bool) -> tuple[dict, dic
 
 def aux_term(backend, base, record: dict | None, batch) -> torch.Tensor:
     """The weighted load-balancing loss of the forward `record` kept, or a zero scalar."""
-    from .experts import batch_router_aux_loss
-
     if record is None:
         return torch.zeros((), dtype=torch.float32, device=backend.plan.device)
     return batch_router_aux_loss(base, record.get("outputs"), batch, backend.plan.device)
