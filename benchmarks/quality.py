@@ -30,8 +30,11 @@ Tasks:
 Ablations: --tag NAME with --mp-set key=value (a mudpuppy config override,
 dotted) and/or --trl-set key=value (an SFTConfig field) runs the grid with one
 setting changed and files its cells under that tag, so the base cells stay
-comparable. `--mp-set _patch=hf_warmup` gives mudpuppy transformers' warmup
-(update 0 at lr 0) for that run, from this script, without touching mudpuppy.
+comparable. `--mp-set _patch=old_warmup` gives mudpuppy its warmup from before
+issue 31 (update 0 at lr/warmup; mudpuppy now warms up as transformers does,
+update 0 at lr 0), from this script, without touching mudpuppy. Cells tagged
+hf_warmup were run before that change with the opposite patch: the same
+schedule mudpuppy now has by default.
 """
 
 from __future__ import annotations
@@ -133,17 +136,17 @@ def train_mudpuppy(task: dict, steps: int, seed: int, precision: str, out: Path,
         "logging": {"progress_bar": False},
     }
     patches = str(sets.pop("_patch", "")).split("+")
-    if "hf_warmup" in patches:
-        # Ablation: transformers' warmup (update 0 at lr 0, peak reached at update `warmup`) instead of
-        # mudpuppy's (update 0 at peak/warmup, peak at update warmup-1); the decay after it is the same.
+    if "old_warmup" in patches:
+        # Ablation: mudpuppy's warmup before issue 31 (update k at lr*(k+1)/warmup, so update 0 already
+        # moves the weights) instead of transformers' (update 0 at lr 0), which mudpuppy now follows.
         import mudpuppy.training.loop as loop
         from mudpuppy.training.schedule import learning_rate, warmup_steps_for
 
-        def hf_learning_rate(cfg, step, total_steps):
+        def old_learning_rate(cfg, step, total_steps):
             warmup = warmup_steps_for(cfg, total_steps)
-            return cfg.learning_rate * step / warmup if step < warmup else learning_rate(cfg, step, total_steps)
+            return cfg.learning_rate * (step + 1) / warmup if step < warmup else learning_rate(cfg, step, total_steps)
 
-        loop.learning_rate = hf_learning_rate
+        loop.learning_rate = old_learning_rate
     for key, value in sets.items():
         node = raw
         *parents, leaf = key.split(".")

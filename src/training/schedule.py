@@ -12,11 +12,17 @@ def warmup_steps_for(cfg, total_steps: int) -> int:
 
 
 def learning_rate(cfg, step: int, total_steps: int) -> float:
-    """LR for optimizer update number `step` (0-based) of `total_steps`."""
+    """LR for optimizer update number `step` (0-based) of `total_steps`.
+
+    transformers' convention, step for step (the oracle in tests/training/test_merge_and_schedule.py):
+    warmup rises linearly from 0, so update 0 runs at lr 0 (AdamW still fills its moments) and the
+    peak is reached at update `warmup`. Issue 31 measured why it matters: mudpuppy's earlier warmup
+    (update 0 at peak/warmup) cost held-out accuracy against TRL on the same seeds (docs/benchmarks.md).
+    """
     peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
     warmup = warmup_steps_for(cfg, total_steps)
     if step < warmup:
-        return peak * (step + 1) / warmup
+        return peak * step / warmup
     if cfg.lr_scheduler == "constant":
         return peak
     span = max(total_steps - warmup, 1)

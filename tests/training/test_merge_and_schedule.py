@@ -88,10 +88,42 @@ def sched(**kw):
 def test_warmup_then_cosine_to_floor():
     cfg = sched(lr_scheduler="cosine", warmup_steps=4, min_lr_ratio=0.1)
     lrs = [learning_rate(cfg, s, 14) for s in range(14)]
-    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[:4] == [0.0, 0.25, 0.5, 0.75]
     assert lrs[4] == 1.0
     assert lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 9 / 10)))
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+# transformers' schedulers as the oracle (TRL, Axolotl and LLaMA-Factory all step them once per
+# optimizer update, update k at lr_lambda(k)); the floor maps to lr_end / min_lr_rate.
+ORACLE = [
+    ("cosine", dict(min_lr_ratio=0.0), "cosine", {}),
+    ("cosine", dict(min_lr_ratio=0.1), "cosine_with_min_lr", {"min_lr_rate": 0.1}),
+    ("linear", {}, "linear", {}),
+    ("constant", {}, "constant_with_warmup", {}),
+    ("polynomial", dict(lr_power=2.0, min_lr_ratio=0.05), "polynomial", {"power": 2.0, "lr_end": 0.05}),
+    ("cosine_with_restarts", dict(lr_cycles=3), "cosine_with_restarts", {"num_cycles": 3}),
+]
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 4])
+@pytest.mark.parametrize("ours,kw,theirs,their_kw", ORACLE, ids=[o[2] + ("-floor" if o[1] else "") for o in ORACLE])
+def test_every_schedule_equals_transformers_update_for_update(ours, kw, theirs, their_kw, warmup):
+    import torch
+    from transformers import get_scheduler
+
+    total = 17
+    cfg = sched(lr_scheduler=ours, warmup_steps=warmup, **kw)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sch = get_scheduler(theirs, opt, num_warmup_steps=warmup, num_training_steps=total, scheduler_specific_kwargs=their_kw)
+    expected = []
+    for _ in range(total):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sch.step()
+    assert [learning_rate(cfg, s, total) for s in range(total)] == pytest.approx(expected, abs=1e-12)
+    if warmup:
+        assert expected[0] == 0.0  # the convention issue 31 measured: the first update runs at lr 0
 
 
 def test_linear_polynomial_constant():
