@@ -253,9 +253,27 @@ class GrpoConfig(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     beta: float = Field(0.0, ge=0.0, description="weight of the KL to the reference (k3); 0 computes no reference")
     epsilon: float = Field(0.2, gt=0, description="clipping: the ratio is kept within [1-epsilon, 1+epsilon_high]")
-    epsilon_high: float | None = Field(None, gt=0, description="upper clip; null: epsilon")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="upper clip; null: epsilon. cispo: the cap on the ratio itself (ScaleRL's "
+                                "epsilon_max, 5.0 recommended; null caps at epsilon, as in TRL)")
     delta: float | None = Field(None, gt=1.0, description="two-sided clipping: the unclipped ratio capped at delta")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
+        "dapo", description="see docs/methods.md#grpo (luspo is meant for importance_sampling_level sequence, "
+                            "vespo for token)")
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, description="sapo: temperature of the gate for tokens with advantage <= 0")
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="sapo: temperature of the gate for tokens with advantage > 0")
+    vespo_k_pos: float = Field(
+        2.0, ge=0, description="vespo, advantage >= 0: power k of the Gamma weight (down-weights ratios below 1)")
+    vespo_lambda_pos: float = Field(
+        3.0, ge=0, description="vespo, advantage >= 0: decay lambda of the Gamma weight (down-weights ratios "
+                               "above 1)")
+    vespo_k_neg: float = Field(
+        3.0, ge=0, description="vespo, advantage < 0: power k of the Gamma weight (down-weights ratios below 1)")
+    vespo_lambda_neg: float = Field(
+        2.0, ge=0, description="vespo, advantage < 0: decay lambda of the Gamma weight (down-weights ratios "
+                               "above 1)")
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = Field(1, gt=0, description="optimisation passes over each generation batch")
     steps_per_generation: int | None = Field(

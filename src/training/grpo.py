@@ -2,9 +2,9 @@
 
 Supports: rl data ({prompt} as text or messages, plus any columns the reward
 functions read); built-in rewards, the user's Python functions and reward
-models trained with `method: rm`, weighted; TRL 1.x's loss types (grpo,
-bnpo, dr_grpo, dapo), reward scaling (group, batch, none), clipping with
-epsilon / epsilon_high / delta, token- or sequence-level importance
+models trained with `method: rm`, weighted; TRL 1.16's loss types (grpo,
+bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo), reward scaling (group,
+batch, none), clipping with epsilon / epsilon_high / delta, token- or sequence-level importance
 sampling (GSPO), the k3 KL to the reference through the disabled adapter
 (beta > 0), several optimisation passes per generation (num_iterations)
 and generation batches spanning several optimizer steps
@@ -13,8 +13,8 @@ everything the shared loop offers (checkpoints with exact resume, Ctrl-C,
 on_nan, early stopping on held-out reward).
 
 Does not support: vLLM or any separate inference server, multi-turn tool
-environments, entropy masking or bonuses, TRL's cispo/sapo/vespo/luspo
-losses, a reference other than the starting weights.
+environments, entropy masking or bonuses, a reference other than the
+starting weights.
 
 The four pieces, each readable on its own: sampling through the backend
 (rollout.py), scoring (rewards/), advantages in numpy and the loss through

@@ -49,17 +49,24 @@ def rollouts(torch_backend, th, temperature: float, every: int) -> list[RolloutB
 
 
 @pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence"), ("dr_grpo", "token"),
-                                             ("bnpo", "sequence")])
+                                             ("bnpo", "sequence"), ("cispo", "token"), ("sapo", "sequence"),
+                                             ("luspo", "sequence"), ("vespo", "token")])
 def test_grpo_objective_and_training_agree_with_torch(loss_type, level, backends, tiny_model_dir, tmp_path):
     torch_backend, mlx_backend = backends
     cfg = load_config(run_config(tiny_model_dir, tmp_path, "dpo"))
     th, mh = same_adapter(backends, cfg, tmp_path)
+    # cispo caps the ratio itself at epsilon_high: 1.2 caps the shifted tokens only.
     g = GrpoConfig(reward_funcs=["exact_match"], loss_type=loss_type, importance_sampling_level=level, beta=0.04,
-                   temperature=0.9, epsilon_high=0.28, max_completion_length=8)
+                   temperature=0.9, epsilon_high=1.2 if loss_type == "cispo" else 0.28, max_completion_length=8)
     batches = rollouts(torch_backend, th, g.temperature, every=2 if level == "token" else 1)
     t_obj, m_obj = GrpoObjective(torch_backend, g), GrpoObjective(mlx_backend, g)
     t_metrics = assert_objectives_agree(backends, (t_obj, m_obj), (th, mh), batches[0])
-    assert t_metrics["clip_ratio/region_mean"] > 0          # the shifted old log-probs really clip
+    if loss_type == "cispo":
+        assert 0 < t_metrics["cispo_clip_ratio"] < 1        # the shifted old log-probs really cap
+    elif loss_type == "vespo":
+        assert t_metrics["vespo/phi_seq_mean"] != pytest.approx(1.0, abs=1e-3)
+    elif loss_type != "sapo":
+        assert t_metrics["clip_ratio/region_mean"] > 0      # the shifted old log-probs really clip
 
     t_trainer = torch_backend.create_trainer(th, cfg.training)
     m_trainer = mlx_backend.create_trainer(mh, cfg.training)

@@ -13,9 +13,13 @@ every gradient is non-zero):
   with the tiny model, then scores with reward functions that ignore the
   completions and return a fixed table, None included), read back from the
   trainer's logs;
-- the dapo normaliser when a generation batch is split over several steps
-  (steps_per_generation > gradient_accumulation_steps), with the micro-batches
-  cut by TRL's own `split_tensor_dict`.
+- the generation-batch normaliser of dapo, cispo and vespo when a generation
+  batch is split over several steps (steps_per_generation >
+  gradient_accumulation_steps), with the micro-batches cut by TRL's own
+  `split_tensor_dict`.
+
+All eight of TRL's loss types are checked, each at token and at sequence level
+(TRL refuses no combination; it only warns about some).
 
 How the trainer uses the objective (TorchTrainer._step): each micro-batch's
 summed loss is divided by the step's summed `objective.count`. With one
@@ -60,6 +64,13 @@ ADVANTAGES = [1.2, -0.9, 0.6, -1.3, 0.8, -0.4]
 # at sequence level.
 ROW_SHIFT = [0.35, -0.35, -0.35, 0.35, 0.0, 0.0]
 NUM_GENERATIONS = 3
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")   # PPO's clipped ratio, and its clip_ratio metrics
+# cispo caps the ratio itself at epsilon_high: 0.28 (the others' value) would cap every ratio here
+# (all near 1) to one constant; 1.2 caps the high ones only.
+CISPO_CAP = 1.2
+# Logged by TRL, not by ours (the extreme per-completion clip ratios across ranks).
+NOT_LOGGED = {"clip_ratio/low_min", "clip_ratio/high_max"}
 # TRL 1.16 multiplies the per-token KL by the importance ratio coef_1 by default
 # (GRPOConfig.use_bias_correction_kl=True): same value on-policy, a different gradient always.
 # Ours adds the plain k3 KL, i.e. TRL with use_bias_correction_kl=False, unless our GrpoConfig
@@ -145,11 +156,12 @@ def flat(x: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
     return x.detach()[mask.bool()].numpy().astype(np.float32)
 
 
-def our_config(loss_type, level, beta, delta=None, temperature=0.9, bias_correction_kl=False) -> GrpoConfig:
+def our_config(loss_type, level, beta, delta=None, temperature=0.9, bias_correction_kl=False, epsilon_high=0.28,
+               **loss_args) -> GrpoConfig:
     extra = {"use_bias_correction_kl": bias_correction_kl} if HAS_BIAS_CORRECTION else {}
     return GrpoConfig(reward_funcs=["exact_match"], loss_type=loss_type, beta=beta, importance_sampling_level=level,
-                      epsilon=0.2, epsilon_high=0.28, delta=delta, temperature=temperature,
-                      max_completion_length=MAX_COMPLETION, **extra)
+                      epsilon=0.2, epsilon_high=epsilon_high, delta=delta, temperature=temperature,
+                      max_completion_length=MAX_COMPLETION, **extra, **loss_args)
 
 
 def our_rollout(tok, prompts, completions, trained, advantages, mask, old, ref, dapo_count) -> RolloutBatch:
@@ -162,12 +174,16 @@ def our_rollout(tok, prompts, completions, trained, advantages, mask, old, ref, 
 # --------------------------------------------------------------------------- 1. the loss
 
 def check_loss(backend, tiny_model_dir, loss_type, level, beta, delta=None, truncated_row=None, shift=0.35,
-               bias_correction_kl=False):
+               bias_correction_kl=False, epsilon_high=None, **loss_args):
+    """`loss_args`: sapo's and vespo's fields, given to TRL and to ours alike."""
+    if epsilon_high is None:
+        epsilon_high = CISPO_CAP if loss_type == "cispo" else 0.28
     trainer, tok = grpo_trainer(tiny_model_dir, per_device_train_batch_size=len(LENGTHS),
                                 num_generations=NUM_GENERATIONS, gradient_accumulation_steps=1,
                                 steps_per_generation=1, max_completion_length=MAX_COMPLETION, temperature=0.9,
                                 beta=beta, loss_type=loss_type, importance_sampling_level=level, epsilon=0.2,
-                                epsilon_high=0.28, delta=delta, use_bias_correction_kl=bias_correction_kl)
+                                epsilon_high=epsilon_high, delta=delta, use_bias_correction_kl=bias_correction_kl,
+                                **loss_args)
     model = trainer.model
     prompts, completions, inputs = make_case(tok, LENGTHS)
     if truncated_row is not None:             # mask_truncated_completions: the row keeps its ids, loses its mask
@@ -187,8 +203,13 @@ def check_loss(backend, tiny_model_dir, loss_type, level, beta, delta=None, trun
     theirs.backward()
     their_grads = lora_grads(model)
     logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    assert logged["clip_ratio/low_mean"] > 0 and logged["clip_ratio/high_mean"] > 0   # both sides clip
-    assert logged["clip_ratio/region_mean"] < 1                                          # and not everything
+    if loss_type in CLIPPED:
+        assert logged["clip_ratio/low_mean"] > 0 and logged["clip_ratio/high_mean"] > 0   # both sides clip
+        assert logged["clip_ratio/region_mean"] < 1                                          # and not everything
+    elif loss_type == "cispo":
+        assert 0 < logged["cispo_clip_ratio"] < 1           # the cap binds on some tokens, not all
+    elif loss_type == "vespo":
+        assert 0 < logged["vespo/phi_seq_mean"] != 1        # the weights move away from phi(1) = 1
     if delta is not None:                     # the cap binds: an unclipped ratio above delta, advantage < 0
         ratio = torch.exp(current - old)[mask.bool()]
         negative = (advantages[:, None] < 0).expand_as(mask)[mask.bool()]
@@ -197,15 +218,17 @@ def check_loss(backend, tiny_model_dir, loss_type, level, beta, delta=None, trun
     trained = [truncated_row != i for i in range(len(LENGTHS))]
     rb = our_rollout(tok, prompts, completions, trained, ADVANTAGES, mask, old, ref, float(mask.sum()))
     assert len(rb.rows) == int(mask.sum())
-    objective = GrpoObjective(backend, our_config(loss_type, level, beta, delta, bias_correction_kl=bias_correction_kl))
+    objective = GrpoObjective(backend, our_config(loss_type, level, beta, delta, bias_correction_kl=bias_correction_kl,
+                                                  epsilon_high=epsilon_high, **loss_args))
     total, metrics = objective(TorchModel(model, tok, str(tiny_model_dir)), rb)
     ours = total / objective.count(rb)
     ours.backward()
     diffs = {"loss": abs(val(ours) - val(theirs)), "grad": assert_grads_match(lora_grads(model), their_grads)}
     assert diffs["loss"] <= TOL, f"loss {val(ours)} vs TRL {val(theirs)}"
-    names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy"]
-    names += ["kl"] if beta > 0 else []
-    for name in names:
+    names = set(logged) - NOT_LOGGED
+    assert set(metrics) == names                            # the same metrics for this loss type, by name
+    assert "entropy" in names and ("kl" in names) == (beta > 0)
+    for name in sorted(names):
         diffs[name] = abs(metrics[name] - logged[name])
         assert metrics[name] == pytest.approx(logged[name], abs=TOL), name
     if beta > 0:
@@ -215,7 +238,7 @@ def check_loss(backend, tiny_model_dir, loss_type, level, beta, delta=None, trun
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_loss_matches_trl(loss_type, level, beta, backend, tiny_model_dir):
     diffs = check_loss(backend, tiny_model_dir, loss_type, level, beta)
     report(f"grpo loss {loss_type}/{level}/beta={beta}", diffs)
@@ -223,26 +246,74 @@ def test_loss_matches_trl(loss_type, level, beta, backend, tiny_model_dir):
 
 @pytest.mark.xfail(not HAS_BIAS_CORRECTION, strict=True,
                    reason="TRL 1.16's default use_bias_correction_kl=True (KL x ratio) is not implemented in ours")
-@pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("dapo", "sequence")])
+@pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("dapo", "sequence"), ("cispo", "token"),
+                                             ("sapo", "sequence"), ("luspo", "sequence"), ("vespo", "token")])
 def test_kl_with_bias_correction_matches_trl(loss_type, level, backend, tiny_model_dir):
     """TRL's default: per_token_kl * coef_1 (the KL gradient of DeepSeek-V3.2); the kl metric is of that product."""
     diffs = check_loss(backend, tiny_model_dir, loss_type, level, 0.04, bias_correction_kl=True)
     report(f"grpo loss {loss_type}/{level}/beta=0.04, use_bias_correction_kl", diffs)
 
 
-def test_loss_with_delta_matches_trl(backend, tiny_model_dir):
-    """Two-sided clipping: the unclipped ratio capped at delta (larger shifts, so the cap binds)."""
-    diffs = check_loss(backend, tiny_model_dir, "dapo", "token", 0.0, delta=1.5, shift=0.5)
-    report("grpo loss dapo/token/delta=1.5", diffs)
+@pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("luspo", "sequence"), ("cispo", "token"),
+                                             ("sapo", "token")])
+def test_loss_with_delta_matches_trl(loss_type, level, backend, tiny_model_dir):
+    """Two-sided clipping: the unclipped ratio capped at delta (larger shifts, so the cap binds);
+    cispo and sapo have no clipped term, and TRL ignores delta there."""
+    diffs = check_loss(backend, tiny_model_dir, loss_type, level, 0.0, delta=1.5, shift=0.5)
+    report(f"grpo loss {loss_type}/{level}/delta=1.5", diffs)
+
+
+@pytest.mark.parametrize("loss_type,level,loss_args", [
+    ("sapo", "token", {"sapo_temperature_pos": 0.6, "sapo_temperature_neg": 2.5}),
+    ("sapo", "sequence", {"sapo_temperature_pos": 3.0, "sapo_temperature_neg": 0.5}),
+    ("vespo", "token", {"vespo_k_pos": 1.0, "vespo_lambda_pos": 0.5, "vespo_k_neg": 4.0, "vespo_lambda_neg": 6.0}),
+    ("vespo", "sequence", {"vespo_k_pos": 0.0, "vespo_lambda_pos": 0.0, "vespo_k_neg": 1.5, "vespo_lambda_neg": 1.0}),
+])
+def test_loss_with_its_own_fields_matches_trl(loss_type, level, loss_args, backend, tiny_model_dir):
+    """sapo's temperatures and vespo's k and lambda away from their defaults (lambda 0: TRL's floor 1e-4)."""
+    diffs = check_loss(backend, tiny_model_dir, loss_type, level, 0.04, **loss_args)
+    report(f"grpo loss {loss_type}/{level}/{loss_args}", diffs)
+
+
+def test_cispo_cap_below_one_matches_trl(backend, tiny_model_dir):
+    """cispo's cap below 1 at sequence level, one completion masked: its sequence ratio is 1, above
+    the cap, and TRL counts it as capped (its advantage is positive) in cispo_clip_ratio."""
+    diffs = check_loss(backend, tiny_model_dir, "cispo", "sequence", 0.0, epsilon_high=0.9, truncated_row=4)
+    report("grpo loss cispo/sequence/epsilon_high=0.9, one completion masked", diffs)
 
 
 @pytest.mark.parametrize("loss_type,level,beta", [("grpo", "token", 0.0), ("dr_grpo", "token", 0.04),
-                                                  ("grpo", "sequence", 0.04), ("dr_grpo", "sequence", 0.0)])
+                                                  ("grpo", "sequence", 0.04), ("dr_grpo", "sequence", 0.0),
+                                                  ("cispo", "sequence", 0.04), ("sapo", "token", 0.0),
+                                                  ("luspo", "sequence", 0.04), ("vespo", "token", 0.0),
+                                                  ("vespo", "sequence", 0.04)])
 def test_loss_with_masked_truncated_completion_matches_trl(loss_type, level, beta, backend, tiny_model_dir):
     """mask_truncated_completions: TRL zeroes the row's completion_mask (the row still counts in the
     per-completion mean); our batch simply has no labels on it."""
     diffs = check_loss(backend, tiny_model_dir, loss_type, level, beta, truncated_row=4)
     report(f"grpo loss {loss_type}/{level}/beta={beta}, one completion masked", diffs)
+
+
+def test_loss_fields_are_trls():
+    """The loss types and their fields have TRL's names and defaults, and every loss type is accepted
+    at both importance-sampling levels, as TRL accepts them (it only warns: luspo is meant for
+    sequence, vespo for token, and the token-summing types weigh sequences by length at sequence level)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    trl_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    fields = ["epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level", "sapo_temperature_neg",
+              "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"]
+    ours = GrpoConfig(reward_funcs=["exact_match"])
+    for name in fields:
+        assert getattr(ours, name) == trl_defaults[name], name
+    assert set(GrpoConfig.model_fields["loss_type"].annotation.__args__) == set(LOSS_TYPES)
+    for loss_type in LOSS_TYPES:
+        for level in ("token", "sequence"):
+            GrpoConfig(reward_funcs=["exact_match"], loss_type=loss_type, importance_sampling_level=level)
+    with pytest.raises(ValueError, match="sapo_temperature_pos"):     # TRL would divide by it: NaN
+        GrpoConfig(reward_funcs=["exact_match"], loss_type="sapo", sapo_temperature_pos=0.0)
 
 
 # --------------------------------------------------------------------------- 2. per-token log-probs
@@ -340,17 +411,19 @@ def test_advantages_match_trl(scale_rewards, tiny_model_dir):
     report(f"advantages scale_rewards={scale_rewards}", diffs)
 
 
-# --------------------------------------------------------------------------- 4. dapo over several steps
+# --------------------------------------------------------------------------- 4. dapo, cispo, vespo over several steps
 
-def test_off_policy_accumulation_matches_trl(backend, tiny_model_dir):
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
+def test_off_policy_accumulation_matches_trl(loss_type, backend, tiny_model_dir):
     """steps_per_generation=2, gradient_accumulation_steps=1: TRL divides each micro-batch by the
     generation batch's tokens x 1 / 2; ours has dapo_count = generation tokens / 2."""
+    epsilon_high = CISPO_CAP if loss_type == "cispo" else 0.28
     lengths = LENGTHS + [3, 6, 1, 2, 5, 2]           # a generation batch: two micro-batches of six
     micro = len(LENGTHS)
     trainer, tok = grpo_trainer(tiny_model_dir, per_device_train_batch_size=micro, num_generations=NUM_GENERATIONS,
                                 gradient_accumulation_steps=1, steps_per_generation=2,
-                                max_completion_length=MAX_COMPLETION, temperature=0.9, beta=0.0, loss_type="dapo",
-                                epsilon=0.2, epsilon_high=0.28)
+                                max_completion_length=MAX_COMPLETION, temperature=0.9, beta=0.0, loss_type=loss_type,
+                                epsilon=0.2, epsilon_high=epsilon_high)
     from trl.trainer.utils import split_tensor_dict
 
     model = trainer.model
@@ -362,7 +435,7 @@ def test_off_policy_accumulation_matches_trl(backend, tiny_model_dir):
     advantages = ADVANTAGES + [-a for a in ADVANTAGES]
     gen.update(advantages=torch.tensor(advantages), old_per_token_logps=old, num_items_in_batch=mask.sum())
     gen_tokens = float(mask.sum())
-    objective = GrpoObjective(backend, our_config("dapo", "token", 0.0))
+    objective = GrpoObjective(backend, our_config(loss_type, "token", 0.0, epsilon_high=epsilon_high))
     handle = TorchModel(model, tok, str(tiny_model_dir))
     diffs = {}
     for k, chunk in enumerate(split_tensor_dict(gen, 2)):       # TRL's own cut: num_items_in_batch stays whole
@@ -381,4 +454,4 @@ def test_off_policy_accumulation_matches_trl(backend, tiny_model_dir):
         diffs[f"loss[{k}]"] = abs(val(ours) - val(theirs))
         diffs[f"grad[{k}]"] = assert_grads_match(lora_grads(model), their_grads)
         assert diffs[f"loss[{k}]"] <= TOL, f"loss {val(ours)} vs TRL {val(theirs)}"
-    report("dapo, steps_per_generation=2", diffs)
+    report(f"{loss_type}, steps_per_generation=2", diffs)
