@@ -48,7 +48,8 @@ def test_mlx_chat_cli_from_a_pipe(mlx_chat, chat_run):
     assert "backend: mlx" in result.stderr
     expected = mlx_chat.complete([{"role": "user", "content": "Turn on the kitchen light."}],
                                  GenerationOptions(max_new_tokens=6)).text
-    assert result.stdout.splitlines() == [expected]
+    # split on "\n" only: random weights can write "\x1c" or "\x85", which str.splitlines() also breaks at
+    assert result.stdout.rstrip("\n").split("\n") == [expected]
 
 
 def test_mlx_serve_answers_plain_and_streaming(mlx_chat):
