@@ -282,14 +282,40 @@ class GrpoConfig(_Strict):
     mask_truncated_completions: bool = Field(False, description="completions cut at max_completion_length carry no loss")
     use_bias_correction_kl: bool = Field(
         True, description="beta > 0: the KL term is weighted by the importance ratio (TRL's default)")
-    reward_funcs: list[str | dict[str, Any]] = Field(min_length=1, description="see docs/methods.md#grpo")
+    reward_funcs: list[str | dict[str, Any]] = Field(
+        default_factory=list, description="see docs/methods.md#grpo; may be empty when the environment scores "
+                                          "rollouts with get_reward()")
     reward_weights: list[float] | None = Field(None, description="one per reward function; null: all 1.0")
     log_completions: bool = Field(True, description="write completions.jsonl (step, prompt, completion, rewards)")
+    tools: list[str] = Field(
+        default_factory=list, description="functions the model may call while it samples ('file.py:function' or "
+                                          "'module:function'; schemas from type hints and docstrings)")
+    environment: str | None = Field(
+        None, description="'file.py:factory': one object per rollout with reset(**row), its methods as tools and "
+                          "optionally get_reward() (TRL's environment_factory)")
+    max_tool_calling_iterations: int | None = Field(
+        None, ge=1, description="rounds of tool calls a rollout may make; null: until a turn calls none")
+    tool_timeout: float = Field(30.0, gt=0, description="seconds a tool call may take; past it the call is answered "
+                                                        "with an error (a failure) and the rollout goes on")
 
     @model_validator(mode="after")
     def _rewards(self):
-        from .rewards.specs import parse_reward_specs
+        from .rewards.specs import function_spec, parse_reward_specs
 
+        bad = [f"tools[{i}]: {t!r} is not 'path/to/file.py:function' or 'package.module:function'"
+               for i, t in enumerate(self.tools) if function_spec(t) is None]
+        if self.environment is not None and function_spec(self.environment) is None:
+            bad.append(f"environment: {self.environment!r} is not 'path/to/file.py:factory' or 'package.module:factory'")
+        if bad:
+            raise ValueError("; ".join(bad))
+        if not self.reward_funcs:
+            if self.environment is None:
+                raise ValueError("reward_funcs: name one or more reward functions (or an environment whose "
+                                 "get_reward() scores each rollout)")
+            if self.reward_weights:
+                raise ValueError("reward_weights: there are no reward_funcs to weight (the environment's "
+                                 "get_reward() has weight 1)")
+            return self
         parse_reward_specs(self.reward_funcs, self.reward_weights)   # raises ValueError naming the entry
         return self
 

@@ -54,3 +54,15 @@ class SlotDecoder:
     def close(self) -> None:
         self.seqs.clear()
         self.model.train(self.training)
+
+
+def context_length(handle) -> int | None:
+    """Tokens the model can attend over: its config's max_position_embeddings and the tokenizer's
+    model_max_length, the smaller of those that are set and plausible (tokenizers without one say 1e30)."""
+    model = handle.model
+    configs = [getattr(model, "config", None), getattr(model, "args", None)]
+    configs += [getattr(c, "text_config", None) for c in configs if c is not None]
+    found = [getattr(c, "max_position_embeddings", None) for c in configs if c is not None]
+    found.append(getattr(handle.tokenizer, "model_max_length", None))
+    sane = [n for n in found if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 10**7]
+    return min(sane) if sane else None

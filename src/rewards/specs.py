@@ -97,6 +97,12 @@ def _builtin(name: str, value: Any) -> tuple[RewardSpec, list[str]]:
     return RewardSpec("builtin", name, name, options=tuple(sorted(options.items()))), problems
 
 
+def function_spec(text: str) -> RewardSpec | None:
+    """'path/file.py:func' or 'package.module:func' as a spec (GRPO's tools and environments are
+    named the same way as reward functions); None if `text` is neither."""
+    return _user_function(text.strip())
+
+
 def _user_function(text: str) -> RewardSpec | None:
     """'path/file.py:func' or 'package.module:func' as a spec; None if `text` is neither."""
     for kind, form in (("file", _FILE), ("module", _MODULE)):

@@ -30,13 +30,18 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
 def completion_text(completion: Any) -> str:
     """The text of one completion: a string as is; for the chat shape (a list of messages, as TRL
-    passes `[{"role": "assistant", "content": text}]`) the assistant messages' content joined.
-    Content given as parts (`[{"type": "text", "text": ...}]`) contributes its text parts."""
+    passes `[{"role": "assistant", "content": text}]`) the assistant messages' content joined; in a
+    multi-turn exchange with tool results, the last assistant turn's (the answer given after the
+    tools answered; the calls before it are not the answer). Content given as parts
+    (`[{"type": "text", "text": ...}]`) contributes its text parts."""
     if isinstance(completion, str):
         return completion
     if isinstance(completion, dict):
         completion = [completion]
     if isinstance(completion, (list, tuple)) and all(isinstance(m, dict) for m in completion):
+        if any(m.get("role") == "tool" for m in completion):
+            last = [m for m in completion if m.get("role", "assistant") == "assistant"][-1:]
+            return "".join(_content(m.get("content")) for m in last)
         return "".join(_content(m.get("content")) for m in completion if m.get("role", "assistant") == "assistant")
     raise TypeError(f"a completion is a string or a list of {{role, content}} messages, got {type(completion).__name__}")
 

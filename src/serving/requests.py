@@ -149,18 +149,6 @@ def apply_limits(request: ChatRequest, prompt_tokens: int, context: int | None, 
     return replace(request.options, max_new_tokens=wanted)
 
 
-def context_length(handle) -> int | None:
-    """Tokens the model can attend over: its config's max_position_embeddings and the tokenizer's
-    model_max_length, the smaller of those that are set and plausible (tokenizers without one say 1e30)."""
-    model = handle.model
-    configs = [getattr(model, "config", None), getattr(model, "args", None)]
-    configs += [getattr(c, "text_config", None) for c in configs if c is not None]
-    found = [getattr(c, "max_position_embeddings", None) for c in configs if c is not None]
-    found.append(getattr(handle.tokenizer, "model_max_length", None))
-    sane = [n for n in found if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 10**7]
-    return min(sane) if sane else None
-
-
 def parse_messages(value) -> list[dict]:
     if value is None:
         raise RequestError(400, "Missing required parameter: 'messages'.", "messages", "missing_required_parameter")

@@ -34,7 +34,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..errors import MudpuppyError
 from .engine import ChatModel, GenerationOptions
-from .requests import RequestError, apply_limits, context_length, load_json, parse_chat_request
+from ..backends.decoding import context_length
+from .requests import RequestError, apply_limits, load_json, parse_chat_request
 from .scheduler import ClientGone, GenerationFailed, Scheduler, Stopping, generate
 from .security import Guard, is_loopback
 

@@ -4,17 +4,20 @@ Supports: rl data ({prompt} as text or messages, plus any columns the reward
 functions read); built-in rewards, the user's Python functions and reward
 models trained with `method: rm`, weighted; TRL 1.16's loss types (grpo,
 bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo), reward scaling (group,
-batch, none), clipping with epsilon / epsilon_high / delta, token- or sequence-level importance
-sampling (GSPO), the k3 KL to the reference through the disabled adapter
+batch, none), clipping with epsilon / epsilon_high / delta, token- or
+sequence-level importance sampling (GSPO), the k3 KL to the reference through the disabled adapter
 (beta > 0), several optimisation passes per generation (num_iterations)
 and generation batches spanning several optimizer steps
 (steps_per_generation); LoRA, DoRA, QLoRA and full fine-tuning (beta 0);
 everything the shared loop offers (checkpoints with exact resume, Ctrl-C,
 on_nan, early stopping on held-out reward).
 
-Does not support: vLLM or any separate inference server, multi-turn tool
-environments, entropy masking or bonuses, a reference other than the
-starting weights.
+Multi-turn rollouts with tools and environments (TRL's tools and
+environment_factory): agent.py sets them up, multiturn.py runs the turns,
+tools.py reads and runs the calls, environments.py holds the per-rollout state.
+
+Does not support: vLLM or any separate inference server, entropy masking
+or bonuses, a reference other than the starting weights.
 
 The four pieces, each readable on its own: sampling through the backend
 (rollout.py), scoring (rewards/), advantages in numpy and the loss through
@@ -29,10 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.decoding import context_length
 from ..data import load_data, prepare_data
 from ..evaluation.heldout import stop_token_ids
 from ..rewards import check_columns, load_reward_functions, parse_reward_specs
 from . import outputs
+from .agent import build_agent, environment_reward, load_agent, offer_tools, schemas
 from .grpo_loss import GrpoObjective
 from .loop import (
     LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, total_steps_for,
@@ -50,32 +55,42 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     g = cfg.grpo
     # -- setup: data and reward-function problems surface before the policy loads or anything is written
     loaded = load_data(cfg, "grpo")
-    specs = parse_reward_specs(g.reward_funcs, g.reward_weights)
+    specs = parse_reward_specs(g.reward_funcs, g.reward_weights) if g.reward_funcs else []
     funcs = load_reward_functions(specs, cfg.source_dir, reward_model=lambda spec: reward_model_function(
         backend, spec, cfg.source_dir))
     check_columns(funcs, data_columns(loaded), loaded.train[0].name)
+    tools, environments = load_agent(cfg)                     # tools and environments import before the model
+    funcs += environment_reward(environments, funcs)
+    offer_tools(loaded, schemas(tools, environments))
     claim = outputs.claim_output_dir(cfg, overwrite)          # locked; a run --overwrite replaces stays for now
     out, resume_from = claim.out, claim.resume_from
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
     data = prepare_data(cfg, handle.tokenizer, loaded, method="grpo")
+    agent = build_agent(cfg, handle.tokenizer, loaded, data.report, tools, environments,
+                        stop_token_ids(handle.tokenizer), context_length(handle))
     outputs.take_output_dir(cfg, claim, echo)                  # model and data loaded: now the old run goes
     rep = data.report
     echo(f"grpo ({g.loss_type}, {g.num_generations} completions a prompt, beta {g.beta}): {rep.train_examples} "
          f"prompts / {rep.val_examples} held-out; {rep.truncated} prompts truncated to data.sequence_len; "
          f"rewards: {', '.join(f'{f.name} x{f.spec.weight:g}' for f in funcs)}")
+    if agent is not None:
+        offered = [s["function"]["name"] for s in schemas(tools, environments)]
+        echo(f"tools: {', '.join(offered) or 'none'} ({agent.loop.fmt} format"
+             f"{', an environment per rollout' if environments is not None else ''}; up to "
+             f"{g.max_tool_calling_iterations or 'unlimited'} rounds of calls, {g.tool_timeout:g} s a call)")
 
     info = backend.attach_adapter(handle, cfg.adapter)
     echo(f"model: {handle.describe()}")
     echo(f"adapter: {info.describe()}")
-    evaluate = held_out_reward(cfg, backend, handle, data.val, funcs) if data.val else None
+    evaluate = held_out_reward(cfg, backend, handle, data.val, funcs, agent) if data.val else None
     state = LoopState()
     if cfg.eval.before_training and evaluate is not None and resume_from is None:
         value, fields = evaluate()
         state.before = fields
         echo(f"before training: held-out reward {-value:.4f} (greedy, {len(data.val)} prompts)")
     trainer = backend.create_trainer(handle, cfg.training)
-    rollouts = RolloutBatcher(cfg, backend, handle, data.train, funcs, out)
+    rollouts = RolloutBatcher(cfg, backend, handle, data.train, funcs, out, agent)
     steps = total_steps_for(cfg, rollouts)
     if resume_from is not None:
         state = restore(cfg, backend, handle, trainer, rollouts, resume_from)
@@ -114,21 +129,28 @@ def data_columns(loaded) -> set[str]:
     return set.intersection(*sets) - {"prompt"} if sets else set()
 
 
-def held_out_reward(cfg, backend, handle, prompts: list, funcs: list):
+def held_out_reward(cfg, backend, handle, prompts: list, funcs: list, agent=None):
     """The weighted reward of greedy completions of the held-out prompts (higher is better; the
-    loop's early stopping watches its negative)."""
+    loop's early stopping watches its negative); with tools, greedy multi-turn rollouts."""
     g, tok = cfg.grpo, handle.tokenizer
     chosen = prompts[: cfg.eval.max_samples or None]
     stop = stop_token_ids(tok)
     weights = np.array([f.spec.weight for f in funcs])
 
     def evaluate() -> tuple[float, dict]:
-        ids = []
+        ids, messages, environments = [], None if agent is None else [], None if agent is None else []
         for start in range(0, len(chosen), cfg.eval.batch_size):
-            part = [list(map(int, ex.prompt.input_ids)) for ex in chosen[start : start + cfg.eval.batch_size]]
-            ids += backend.generate(handle, part, g.max_completion_length, stop)
+            examples = chosen[start : start + cfg.eval.batch_size]
+            part = [list(map(int, ex.prompt.input_ids)) for ex in examples]
+            if agent is None:
+                ids += backend.generate(handle, part, g.max_completion_length, stop)
+                continue
+            exchanges, envs, _ = agent.run(examples, part, lambda p, n, _round: backend.generate(handle, p, n, stop))
+            ids += [e.ids for e in exchanges]
+            messages += [e.messages for e in exchanges]
+            environments = None if envs is None else environments + list(envs)
         texts = tok.batch_decode(ids, skip_special_tokens=True)
-        r = score_completions(funcs, [ex.fields for ex in chosen], texts, ids)
+        r = score_completions(funcs, [ex.fields for ex in chosen], texts, ids, messages, environments)
         total = np.nansum(r * weights[None, :], axis=1)
         value = float(total.mean())
         fields_out = {EVAL_KEY: round(value, 6)}

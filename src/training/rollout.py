@@ -41,9 +41,11 @@ SAMPLES_SHOWN = 4       # completions of each generation the --tui dashboard sho
 
 
 class RolloutBatcher:
-    def __init__(self, cfg, backend, handle, prompts: list, reward_funcs: list, out: Path):
+    def __init__(self, cfg, backend, handle, prompts: list, reward_funcs: list, out: Path, agent=None):
+        """`agent` (multiturn.Agent): tools and environments for multi-turn rollouts; None: one turn."""
         g, t = cfg.grpo, cfg.training
         self.cfg, self.g, self.backend, self.handle, self.funcs = cfg, g, backend, handle, reward_funcs
+        self.agent = agent
         self.spg = g.steps_per_generation or t.gradient_accumulation_steps
         self.per_generation = t.micro_batch_size * self.spg // g.num_generations      # prompts
         self.off_policy = g.num_iterations > 1 or self.spg > t.gradient_accumulation_steps
@@ -98,34 +100,51 @@ class RolloutBatcher:
         while len(examples) < self.per_generation:      # an epoch's last, partial batch: skipped, as TRL does
             examples = self.prompts.next_batch()
         started = time.perf_counter()
-        prompt_ids = [list(map(int, ex.prompt.input_ids)) for ex in examples for _ in range(g.num_generations)]
-        completions = self.backend.sample(self.handle, prompt_ids, g.max_completion_length, self.stop_ids,
-                                          self.sampling, seed=generation_seed(self.cfg.training.seed, index))
+        repeated = [ex for ex in examples for _ in range(g.num_generations)]
+        prompt_ids = [list(map(int, ex.prompt.input_ids)) for ex in repeated]
+        seed = generation_seed(self.cfg.training.seed, index)
+        fields = [ex.fields for ex in repeated]
+        if self.agent is None:
+            completions = self.backend.sample(self.handle, prompt_ids, g.max_completion_length, self.stop_ids,
+                                              self.sampling, seed=seed)
+            masks, messages, environments, exchanges = None, None, None, None
+        else:
+            def sample(prompts, max_new, round_):
+                return self.backend.sample(self.handle, prompts, max_new, self.stop_ids, self.sampling,
+                                           seed=seed if round_ == 0 else generation_seed(seed, round_))
+
+            exchanges, environments, prompt_ids = self.agent.run(repeated, prompt_ids, sample)
+            completions = [e.ids for e in exchanges]
+            masks, messages = [e.sampled for e in exchanges], [e.messages for e in exchanges]
         sampled = time.perf_counter() - started
         texts = tok.batch_decode(completions, skip_special_tokens=True)
-        fields = [ex.fields for ex in examples for _ in range(g.num_generations)]
-        rewards = score_completions(self.funcs, fields, texts, completions)
+        rewards = score_completions(self.funcs, fields, texts, completions, messages, environments)
         adv = group_advantages(rewards, self.weights, g.num_generations, g.scale_rewards)
         truncated = np.array([not ids or ids[-1] not in self.stop_ids for ids in completions])
         trained = ~truncated if g.mask_truncated_completions else np.ones(len(completions), dtype=bool)
         step = self.served // self.cfg.training.gradient_accumulation_steps + 1
-        self.log(step, fields, texts, rewards, adv.advantages)
+        self.log(step, fields, texts, rewards, adv.advantages, messages)
         order = np.random.default_rng([self.cfg.training.seed, index, 1]).permutation(len(completions))
         size = self.cfg.training.micro_batch_size
-        loss_tokens = sum(len(c) for c, keep in zip(completions, trained) if keep)
+        counted = [sum(m) for m in masks] if masks is not None else [len(c) for c in completions]
+        loss_tokens = sum(n for n, keep in zip(counted, trained) if keep)
         micro = []
         for start in range(0, len(order), size):
             rows = order[start : start + size]
             micro.append(self.rollout_batch([prompt_ids[r] for r in rows], [completions[r] for r in rows],
-                                            adv.advantages[rows], trained[rows].tolist(), loss_tokens))
+                                            adv.advantages[rows], trained[rows].tolist(), loss_tokens,
+                                            None if masks is None else [masks[r] for r in rows]))
         # time/scoring: rewards, advantages and the old and reference log-probs, as docs/methods.md says.
-        self.pending = self.metrics(rewards, adv, completions, truncated, sampled, time.perf_counter() - started)
+        self.pending = self.metrics(rewards, adv, counted, truncated, sampled, time.perf_counter() - started)
+        if exchanges is not None:
+            self.pending.update(tool_metrics(exchanges))
         self.pending_samples = self.samples(fields, texts, rewards)
         return micro
 
-    def rollout_batch(self, prompts, completions, advantages, trained: list[bool], loss_tokens: int) -> RolloutBatch:
+    def rollout_batch(self, prompts, completions, advantages, trained: list[bool], loss_tokens: int,
+                      masks: list[list[bool]] | None = None) -> RolloutBatch:
         g = self.g
-        batch = completion_batch(prompts, completions, trained, self.handle.tokenizer.pad_token_id)
+        batch = completion_batch(prompts, completions, trained, self.handle.tokenizer.pad_token_id, masks)
         rows = np.nonzero(batch.labels != IGNORE_INDEX)[0]
         micro = RolloutBatch(batch, np.asarray(advantages, np.float32), rows, None, None,
                              dapo_count=max(loss_tokens, 1) / self.spg)
@@ -138,9 +157,10 @@ class RolloutBatcher:
             micro.ref_logps = self.backend.ops.to_numpy(ref).astype(np.float32)
         return micro
 
-    def metrics(self, rewards, adv, completions, truncated, sampled: float, total: float) -> dict[str, float]:
-        """TRL's names for what a generation batch shows (rewards, lengths), plus where the time went."""
-        lengths = np.array([len(c) for c in completions], dtype=np.float64)
+    def metrics(self, rewards, adv, lengths, truncated, sampled: float, total: float) -> dict[str, float]:
+        """TRL's names for what a generation batch shows (rewards, lengths: the tokens the model sampled,
+        tool results left out, as TRL counts them), plus where the time went."""
+        lengths = np.asarray(lengths, dtype=np.float64)
         finished = lengths[~truncated]
         out = {"reward": nanmean(adv.rewards), "reward_std": nanstd_or_zero(adv.rewards),
                "frac_reward_zero_std": float(adv.std_is_zero.mean()),
@@ -160,7 +180,9 @@ class RolloutBatcher:
         return [{"prompt": fields[i]["prompt"], "completion": texts[i], "reward": float(total[i])}
                 for i in list(rows)[:SAMPLES_SHOWN]]
 
-    def log(self, step: int, fields, texts, rewards, advantages) -> None:
+    def log(self, step: int, fields, texts, rewards, advantages, messages=None) -> None:
+        """One line per completion; with tools, `turns` holds the exchange turn by turn (the model's
+        turns with their calls, and each tool's result)."""
         if self.log_path is None:
             return
         with self.log_path.open("a", encoding="utf-8") as fh:
@@ -168,6 +190,8 @@ class RolloutBatcher:
                 row = {"step": step, "prompt": fields[i]["prompt"], "completion": text,
                        "rewards": {f.name: none_if_nan(rewards[i, j]) for j, f in enumerate(self.funcs)},
                        "advantage": round(float(advantages[i]), 6)}
+                if messages is not None:
+                    row["turns"] = messages[i]
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     # -- resume
@@ -185,14 +209,30 @@ class RolloutBatcher:
         return self.spg * self.g.num_iterations
 
 
-def score_completions(funcs: list, fields: list[dict], texts: list[str], ids: list[list[int]]) -> np.ndarray:
+def score_completions(funcs: list, fields: list[dict], texts: list[str], ids: list[list[int]],
+                      messages: list[list[dict]] | None = None, environments: list | None = None) -> np.ndarray:
     """[completions, functions] rewards, called as TRL calls reward functions: the prompt as the data
-    had it, the completion as text (or as an assistant message when the prompt is messages), its
-    ids, and every other column by name."""
+    had it, the completion as text (or as an assistant message when the prompt is messages; with
+    tools, always the exchange as messages), its ids, every other column by name, and with an
+    environment `environments`, each completion's instance."""
     prompts = [f["prompt"] for f in fields]
-    shaped = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+    if messages is not None:
+        shaped = messages
+    else:
+        shaped = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
     columns = {k: [f.get(k) for f in fields] for k in fields[0] if k != "prompt"}
+    if environments is not None:
+        columns["environments"] = environments
     return score(funcs, prompts, shaped, ids, columns)
+
+
+def tool_metrics(exchanges: list) -> dict[str, float]:
+    """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed share of
+    calls), and tools/failures (how many calls failed: raised, timed out, unknown or unreadable)."""
+    calls = sum(e.calls for e in exchanges)
+    failures = sum(e.failures for e in exchanges)
+    return {"tools/call_frequency": calls / max(len(exchanges), 1),
+            "tools/failure_frequency": failures / calls if calls else 0.0, "tools/failures": float(failures)}
 
 
 def generation_seed(seed: int, index: int) -> int:
@@ -201,9 +241,10 @@ def generation_seed(seed: int, index: int) -> int:
 
 
 def completion_batch(prompts: list[list[int]], completions: list[list[int]], trained: list[bool],
-                     pad_id: int) -> Batch:
+                     pad_id: int, masks: list[list[bool]] | None = None) -> Batch:
     """Prompt + completion per row, right-padded, each completion token the target of the
-    position before it (labels aligned as everywhere in data/: label t is the target of input t)."""
+    position before it (labels aligned as everywhere in data/: label t is the target of input t).
+    `masks[row][j]` False: completion token j is context (a tool's result), not the model's: no label."""
     width = max(len(p) + len(c) for p, c in zip(prompts, completions))
     ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
     labels = np.full((len(prompts), width), IGNORE_INDEX, dtype=np.int64)
@@ -213,7 +254,10 @@ def completion_batch(prompts: list[list[int]], completions: list[list[int]], tra
         ids[row, : len(seq)] = seq
         attn[row, : len(seq)] = 1
         if keep and c:
-            labels[row, len(p) - 1 : len(seq) - 1] = c
+            target = np.asarray(c, dtype=np.int64)
+            if masks is not None:
+                target = np.where(np.asarray(masks[row], dtype=bool), target, IGNORE_INDEX)
+            labels[row, len(p) - 1 : len(seq) - 1] = target
     return Batch(ids, labels, attn)
 
 

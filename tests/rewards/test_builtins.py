@@ -39,8 +39,10 @@ def test_numbers_answer_tags_and_completion_text():
     assert numbers_in("x = -5; h2o v1.2 costs $4,200. then 3-4") == ["-5", "$4,200", "3", "4"]
     assert answer_tag("<answer>1</answer> and <ANSWER>\n2\n</ANSWER>") == "\n2\n"
     assert answer_tag("no tag") is None
+    # A multi-turn exchange with tool results (GRPO with tools): the answer is the last assistant turn.
     assert completion_text([{"role": "assistant", "content": "a"}, {"role": "tool", "content": "x"},
-                            {"role": "assistant", "content": [{"type": "text", "text": "b"}]}]) == "ab"
+                            {"role": "assistant", "content": [{"type": "text", "text": "b"}]}]) == "b"
+    assert completion_text([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]) == "ab"
     with pytest.raises(TypeError, match="a completion is a string or a list"):
         completion_text(42)
 
