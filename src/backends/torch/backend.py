@@ -348,7 +348,7 @@ class TorchBackend:
         and for vision-language models (the vision tower's attention, over hundreds of patches,
         runs under the same context as the text's)."""
         stack = contextlib.ExitStack()
-        ids = getattr(batch, "input_ids", None)
+        ids = getattr(getattr(batch, "batch", batch), "input_ids", None)   # a GRPO RolloutBatch wraps its Batch
         config = getattr(unwrap(handle.model), "config", None)
         heads = getattr(config, "num_attention_heads", None)
         if not compiled and handle.processor is None and heads and getattr(ids, "ndim", 0) == 2:

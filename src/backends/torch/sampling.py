@@ -41,7 +41,8 @@ def sample(backend, handle, prompts: list[list[int]], max_new_tokens: int, stop_
     training = model.training
     model.eval()
     try:
-        with fresh_generation_config(model), torch.random.fork_rng(devices=gpu, device_type=device.type):
+        with fresh_generation_config(model), torch.random.fork_rng(devices=gpu, device_type=device.type), \
+                contiguous_head(model):
             torch.manual_seed(seed)
             with backend._autocast(handle):
                 out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
@@ -82,6 +83,33 @@ def fresh_generation_config(model):
         base.generation_config = saved
 
 
+@contextlib.contextmanager
+def contiguous_head(model):
+    """The output head's input made contiguous while generating.
+
+    transformers' generate runs the head on the prefill's last position, a strided [B, 1, H] view:
+    torch.matmul cannot fold a non-contiguous batch into one matrix product, so it copies the
+    [H, vocab] weight once per row and runs a batched product (1.5 s of a 7.7 s GRPO sampling call
+    on SmolLM2-135M, bf16, one CPU thread; 10 ms once contiguous). Under autocast the cast to bf16
+    happens to copy; a model already in bf16 has nothing that does (benchmarks/grpo_cpu.py)."""
+    head = unwrap(model).get_output_embeddings() if hasattr(unwrap(model), "get_output_embeddings") else None
+    if head is None:
+        yield
+        return
+
+    def make_contiguous(_module, args):
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and not x.is_contiguous():
+            return (x.contiguous(), *args[1:])
+        return None
+
+    hook = head.register_forward_pre_hook(make_contiguous)
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
 @torch.no_grad()
 def greedy(backend, handle, prompts: list[list[int]], max_new_tokens: int,
            stop_ids: list[int]) -> list[list[int]]:
@@ -94,7 +122,7 @@ def greedy(backend, handle, prompts: list[list[int]], max_new_tokens: int,
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         attn[row, width - len(p):] = 1
-    with backend._autocast(handle):
+    with backend._autocast(handle), contiguous_head(handle.model):
         out = handle.model.generate(
             input_ids=ids.to(backend.plan.device), attention_mask=attn.to(backend.plan.device),
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids,
