@@ -270,14 +270,17 @@ class BackendProtocol(Protocol):
 
     def sample(
         self, handle: ModelHandle, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-        sampling: Sampling, seed: int,
+        sampling: Sampling, seed: int | list[int],
     ) -> list[list[int]]:
         """Sampled continuation ids for each prompt (without the prompt), batched with a KV cache.
 
         A row ends after its first stop token, which is kept (it is what a model learns to
         stop with), or after `max_new_tokens` tokens. The draw depends on `seed` alone: the
         same prompts, weights and seed give the same ids, and the runtime's global random
-        state (dropout's) is left as it was. Eval mode (no dropout) while sampling."""
+        state (dropout's) is left as it was. Eval mode (no dropout) while sampling.
+        `seed` may be a list, one per row: the rows sharing a seed draw from a stream of their
+        own, so their ids do not depend on the rest of the batch, and are the ids those rows
+        would get with that seed as an int."""
 
     def stream(
         self, handle: ModelHandle, prompt: list[int], max_new_tokens: int, stop_ids: list[int],

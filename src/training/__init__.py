@@ -35,9 +35,12 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
     note_run(cfg, backend)          # the --tui dashboard's header, when one is drawing
     ranks = current()
     if ranks.distributed:
-        if cfg.method == "grpo":
-            raise MudpuppyError("method grpo runs in one process for now: its rollouts are sampled and scored by "
-                                "one rank (start it without --nproc / torchrun)")
+        if cfg.method == "grpo" and cfg.distributed.strategy == "fsdp":
+            # Sampling runs as many decoding steps as a rank's own completions need; FSDP2 gathers each
+            # layer's weights in a collective every forward, which would leave the ranks waiting on each other.
+            raise MudpuppyError("distributed.strategy: fsdp: GRPO samples a different number of tokens on each "
+                                "rank, and FSDP2 needs every rank to run the same forward passes; use "
+                                "strategy: ddp (every rank holds the whole model)")
         from ..distributed import check_same_config
 
         check_same_config(cfg)

@@ -12,12 +12,17 @@ and generation batches spanning several optimizer steps
 everything the shared loop offers (checkpoints with exact resume, Ctrl-C,
 on_nan, early stopping on held-out reward).
 
+Several processes (`--nproc N`, torchrun, mlx.launch; distributed.strategy ddp):
+each rank samples and scores its block of each generation batch's prompts, the
+rollouts are gathered, and N processes at micro_batch_size b train as one
+process at N x b (rollout.py says how).
+
 Multi-turn rollouts with tools and environments (TRL's tools and
 environment_factory): agent.py sets them up, multiturn.py runs the turns,
 tools.py reads and runs the calls, environments.py holds the per-rollout state.
 
 Does not support: vLLM or any separate inference server, entropy masking
-or bonuses, a reference other than the starting weights.
+or bonuses, a reference other than the starting weights, FSDP.
 
 The four pieces, each readable on its own: sampling through the backend
 (rollout.py), scoring (rewards/), advantages in numpy and the loss through
@@ -34,6 +39,7 @@ import numpy as np
 
 from ..backends.decoding import context_length
 from ..data import load_data, prepare_data
+from ..distributed import current as current_ranks
 from ..evaluation.heldout import stop_token_ids
 from ..rewards import check_columns, load_reward_functions, parse_reward_specs
 from . import outputs
@@ -88,13 +94,14 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     if cfg.eval.before_training and evaluate is not None and resume_from is None:
         value, fields = evaluate()
         state.before = fields
-        echo(f"before training: held-out reward {-value:.4f} (greedy, {len(data.val)} prompts)")
+        echo(f"before training: held-out reward {-value:.4f} (greedy, {min(len(data.val), cfg.eval.max_samples or len(data.val))} prompts)")
     trainer = backend.create_trainer(handle, cfg.training)
     rollouts = RolloutBatcher(cfg, backend, handle, data.train, funcs, out, agent)
     steps = total_steps_for(cfg, rollouts)
     if resume_from is not None:
         state = restore(cfg, backend, handle, trainer, rollouts, resume_from)
-        truncate_completions(out / COMPLETIONS, state.step)
+        if current_ranks().is_main:                              # the one process that writes it
+            truncate_completions(out / COMPLETIONS, state.step)
         echo(f"resumed from {resume_from} (step {state.step} of {steps})")
 
     # -- loop
@@ -113,7 +120,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         echo(f"after training:  held-out reward {-value:.4f}")
     merge_at_end(cfg, backend, out, echo)
     result.seconds = time.perf_counter() - started
-    rewards = step_rewards(out)
+    rewards = step_rewards(out) if current_ranks().is_main else []      # rank 0 wrote metrics.jsonl
     summary = run_summary(cfg, result, info, rep.train_examples, rep.val_examples,
                           first_reward=rewards[0] if rewards else None,
                           final_reward=rewards[-1] if rewards else None)
@@ -137,20 +144,40 @@ def held_out_reward(cfg, backend, handle, prompts: list, funcs: list, agent=None
     stop = stop_token_ids(tok)
     weights = np.array([f.spec.weight for f in funcs])
 
+    end_of_turn = tok.eos_token_id if tok.eos_token_id in stop else min(stop)
+
+    def greedy_turns(prompts, max_new, _round):
+        # generate() drops the stop token it ended on; a turn followed by tool results must keep
+        # it, as a sampled turn does (the results' template glue starts after it).
+        return [ids + [end_of_turn] if len(ids) < max_new else ids
+                for ids in backend.generate(handle, prompts, max_new, stop)]
+
     def evaluate() -> tuple[float, dict]:
+        # In a distributed run rank r takes eval batches r, r+N, ... (the batches one process makes) and
+        # scores them; the rewards are gathered, so every rank reaches the same value (early stopping).
+        ranks = current_ranks()
+        starts = list(range(0, len(chosen), cfg.eval.batch_size))[ranks.rank :: ranks.world]
+        mine = [ex for start in starts for ex in chosen[start : start + cfg.eval.batch_size]]
         ids, messages, environments = [], None if agent is None else [], None if agent is None else []
-        for start in range(0, len(chosen), cfg.eval.batch_size):
+        for start in starts:
             examples = chosen[start : start + cfg.eval.batch_size]
             part = [list(map(int, ex.prompt.input_ids)) for ex in examples]
             if agent is None:
                 ids += backend.generate(handle, part, g.max_completion_length, stop)
                 continue
-            exchanges, envs, _ = agent.run(examples, part, lambda p, n, _round: backend.generate(handle, p, n, stop))
+            exchanges, envs, _ = agent.run(examples, part, greedy_turns)
             ids += [e.ids for e in exchanges]
             messages += [e.messages for e in exchanges]
             environments = None if envs is None else environments + list(envs)
         texts = tok.batch_decode(ids, skip_special_tokens=True)
-        r = score_completions(funcs, [ex.fields for ex in chosen], texts, ids, messages, environments)
+        r = (score_completions(funcs, [ex.fields for ex in mine], texts, ids, messages, environments) if mine
+             else np.zeros((0, len(funcs))))
+        if ranks.distributed:                   # back in the order of `chosen`, batch by batch
+            size, parts = cfg.eval.batch_size, ranks.gather(r)
+            pieces = {start: part[i * size : (i + 1) * size]
+                      for rank, part in enumerate(parts)
+                      for i, start in enumerate(range(rank * size, len(chosen), ranks.world * size))}
+            r = np.concatenate([pieces[start] for start in sorted(pieces)])
         total = np.nansum(r * weights[None, :], axis=1)
         value = float(total.mean())
         fields_out = {EVAL_KEY: round(value, 6)}

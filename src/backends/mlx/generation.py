@@ -23,11 +23,17 @@ for the whole batch, so dropping finished rows would save little.
 The draw for step s of a batch uses a key split off mx.random.key(seed),
 one batch and one step at a time: the ids depend on the seed, the prompts
 and the weights, and MLX's global random state is neither read nor moved.
+With a seed per row (a list), the rows sharing a seed draw together from
+that seed's own chain of keys, split the same way, so their ids do not
+depend on the rest of the batch (GRPO gives each prompt's group its own
+seed: a group samples the same completions on any rank of a distributed
+run); rows sharing one seed draw what they would draw with it as an int.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ...errors import MudpuppyError
 from ..protocol import Sampling
@@ -38,8 +44,9 @@ PAD_ID = 0   # any id: the cache's mask keeps left padding out of every real tok
 
 
 def sample(handle, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], sampling: Sampling,
-           seed: int) -> list[list[int]]:
-    """Sampled continuation ids per prompt; a row's first stop token ends it and is kept."""
+           seed: int | list[int]) -> list[list[int]]:
+    """Sampled continuation ids per prompt; a row's first stop token ends it and is kept. `seed`: one for
+    the batch, or one per row."""
     if sampling.temperature <= 0:
         raise MudpuppyError(f"sampling temperature must be above 0, got {sampling.temperature}")
     if any(len(p) == 0 for p in prompts):
@@ -47,13 +54,42 @@ def sample(handle, prompts: list[list[int]], max_new_tokens: int, stop_ids: list
     results: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens <= 0:
         return results
-    key = mx.random.key(seed % 2**64)
+    seeds = [seed] * len(prompts) if isinstance(seed, int) else [int(s) for s in seed]
+    if len(seeds) != len(prompts):
+        raise ValueError(f"sample: {len(seeds)} seeds for {len(prompts)} prompts")
+    keys = {s: mx.random.key(s % 2**64) for s in dict.fromkeys(seeds)}
     for rows in batches(handle, prompts):
-        key, batch_key = mx.random.split(key)
-        outs = sample_batch(handle, [prompts[r] for r in rows], max_new_tokens, set(stop_ids), sampling, batch_key)
+        streams: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            streams.setdefault(seeds[row], []).append(i)
+        batch_keys = []
+        for s in streams:
+            keys[s], batch_key = mx.random.split(keys[s])
+            batch_keys.append(batch_key)
+        outs = sample_batch(handle, [prompts[r] for r in rows], max_new_tokens, set(stop_ids), sampling,
+                            Streams(batch_keys, list(streams.values())))
         for row, out in zip(rows, outs):
             results[row] = out
     return results
+
+
+class Streams:
+    """The keys of one batch's draws: one chain per seed, each drawing for its rows of the batch."""
+
+    def __init__(self, keys: list, rows: list[list[int]]):
+        self.keys, self.rows = keys, [mx.array(r) for r in rows]
+        self.order = [i for r in rows for i in r]
+
+    def draw(self, logits: mx.array, sampling: Sampling) -> mx.array:
+        """One token id per row [B], each seed's rows from the next key of its chain."""
+        parts = []
+        for i, rows in enumerate(self.rows):
+            self.keys[i], step_key = mx.random.split(self.keys[i])
+            parts.append(draw(logits if len(self.rows) == 1 else logits[rows], sampling, step_key))
+        if len(parts) == 1:
+            return parts[0]
+        tokens = mx.concatenate(parts)
+        return tokens[mx.array(np.argsort(np.array(self.order)))]          # back to the batch's row order
 
 
 def batches(handle, prompts: list[list[int]]) -> list[list[int]]:
@@ -90,7 +126,7 @@ def last_logits(handle, ids: mx.array, cache: list) -> mx.array:
 
 
 def sample_batch(handle, prompts: list[list[int]], max_new_tokens: int, stop: set[int], sampling: Sampling,
-                 key: mx.array) -> list[list[int]]:
+                 streams: Streams) -> list[list[int]]:
     width = max(len(p) for p in prompts)
     pads = [width - len(p) for p in prompts]
     cache = batch_cache(handle.model, pads)
@@ -98,8 +134,7 @@ def sample_batch(handle, prompts: list[list[int]], max_new_tokens: int, stop: se
     outs: list[list[int]] = [[] for _ in prompts]
     running = [True] * len(prompts)
     for _ in range(max_new_tokens):
-        key, step_key = mx.random.split(key)
-        tokens = draw(logits, sampling, step_key)
+        tokens = streams.draw(logits, sampling)
         for row, token in enumerate(tokens.tolist()):
             if running[row]:
                 outs[row].append(token)

@@ -11,6 +11,15 @@ What it guarantees beyond a plain `generate(do_sample=True)` call:
   dropout draws from) is as it was before: the sampler runs inside
   `torch.random.fork_rng`. A resumed run therefore samples what an
   uninterrupted one would.
+- A seed per row (a list): rows that share a seed draw together from a
+  generator of their own, the others' draws never touch it, so their ids do
+  not depend on what else is in the batch. GRPO gives each prompt's group
+  its own seed, which is what lets a group sample the same completions on
+  any rank of a distributed run. Rows sharing one seed draw exactly what the
+  same rows would draw with that seed as an int (transformers' own sampling:
+  the same warpers, then torch.multinomial); the draw is made by
+  `SeededDraw`, a logits processor under greedy decoding, because `generate`
+  takes no generator of its own.
 - The ids returned are the ids sampled, each row cut after its first stop
   token (kept: it is what the model learns to stop with). Nothing is ever
   decoded and encoded again.
@@ -27,29 +36,75 @@ from .handle import unwrap
 
 @torch.no_grad()
 def sample(backend, handle, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-           sampling, seed: int) -> list[list[int]]:
-    from transformers import GenerationConfig
+           sampling, seed: int | list[int]) -> list[list[int]]:
+    """`seed`: one for the batch (one stream: transformers' sampling), or one per row (SeededDraw)."""
+    from transformers import GenerationConfig, LogitsProcessorList
 
     model, device = handle.model, backend.plan.device
     pad = handle.tokenizer.pad_token_id
     ids, attn = left_padded(prompts, pad)
-    config = GenerationConfig(
-        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        min_p=sampling.min_p, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids), pad_token_id=pad,
-        repetition_penalty=1.0, use_cache=True)
+    common = dict(max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids), pad_token_id=pad,
+                  repetition_penalty=1.0, use_cache=True)
+    extra = {}
+    if isinstance(seed, int):
+        config = GenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                                  top_k=sampling.top_k, min_p=sampling.min_p, **common)
+    else:
+        if len(seed) != len(prompts):
+            raise ValueError(f"sample: {len(seed)} seeds for {len(prompts)} prompts")
+        config = GenerationConfig(do_sample=False, **common)       # greedy over SeededDraw's one-hot scores
+        extra["logits_processor"] = LogitsProcessorList([SeededDraw(sampling, seed, device)])
     gpu = [device] if device.type == "cuda" else []
     training = model.training
     model.eval()
     try:
         with fresh_generation_config(model), torch.random.fork_rng(devices=gpu, device_type=device.type), \
                 contiguous_head(model):
-            torch.manual_seed(seed)
+            if isinstance(seed, int):
+                torch.manual_seed(seed)
             with backend._autocast(handle):
                 out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                     generation_config=config)
+                                     generation_config=config, **extra)
     finally:
         model.train(training)
     return [cut_after_stop(row, stop_ids) for row in out[:, ids.shape[1]:].tolist()]
+
+
+class SeededDraw:
+    """A logits processor that samples: transformers' warpers in the order `generate` applies them when
+    sampling (temperature, top-k, top-p, min-p; min_tokens_to_keep 1), its softmax, then torch.multinomial
+    for the rows of each seed from that seed's own generator. It returns 0 at the drawn token and -inf
+    elsewhere, which greedy decoding then picks."""
+
+    def __init__(self, sampling, seeds: list[int], device: torch.device):
+        from transformers import (
+            LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+        )
+
+        warpers = []
+        if sampling.temperature is not None and sampling.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k is not None and sampling.top_k != 0:
+            warpers.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
+        if sampling.top_p is not None and sampling.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
+        if sampling.min_p is not None:
+            warpers.append(MinPLogitsWarper(min_p=sampling.min_p, min_tokens_to_keep=1))
+        self.warpers = LogitsProcessorList(warpers)
+        rows: dict[int, list[int]] = {}
+        for row, s in enumerate(seeds):
+            rows.setdefault(int(s), []).append(row)
+        # A generator per seed, seeded as `sample` seeds the global one for an int seed (negative seeds wrap
+        # as torch.manual_seed wraps them): rows sharing a seed draw what they would draw with it as an int.
+        self.streams = [(torch.Generator(device=device).manual_seed(s % 2**64),
+                         torch.tensor(r, dtype=torch.long, device=device)) for s, r in rows.items()]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.nn.functional.softmax(self.warpers(input_ids, scores), dim=-1)
+        tokens = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+        for generator, rows in self.streams:
+            tokens[rows] = torch.multinomial(probs[rows], num_samples=1, generator=generator).squeeze(1)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
 
 def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
