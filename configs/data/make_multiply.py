@@ -1,7 +1,9 @@
 """Write configs/data/multiply_rl_{train,val}.jsonl: three-digit by two-digit products, for GRPO with a
-tool, and configs/data/multiply_sft_train.jsonl: worked exchanges (call, result, answer) for the
-short SFT stage that teaches SmolLM2-135M the call format first (it never writes one on its own:
-0 calls in 64 samples at temperature 1, with or without the call shown in the question).
+`multiply` tool, and configs/data/add_sft_train.jsonl: worked exchanges with another tool, `add`
+(question, call, result, answer), for the short SFT stage that shows SmolLM2-135M what a tool call
+looks like (it never writes one on its own: 0 calls in 64 samples at temperature 1, with or
+without the call spelled out in the question). GRPO then has to find the right tool for products
+by itself: nothing it is trained to imitate ever calls `multiply`.
 
     python configs/data/make_multiply.py
 
@@ -18,8 +20,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tools"))
-from calculator import multiply  # noqa: E402
+from calculator import add, multiply  # noqa: E402
 QUESTION = "What is {a} times {b}? Use the multiply tool, then reply with only the number."
+SUM = "What is {a} plus {b}? Use the add tool, then reply with only the number."
 
 
 def rows(pairs):
@@ -28,19 +31,19 @@ def rows(pairs):
 
 
 def exchanges(pairs):
-    """SFT rows: the question, the call, the tool's answer, the final answer; `tools` holds the
-    schema GRPO offers (built the same way, from the function), so both stages render one prompt."""
+    """SFT rows with the `add` tool: the question, the call, the tool's answer, the final answer;
+    `tools` holds add's schema, built as GRPO builds multiply's (from the function)."""
     from transformers.utils import get_json_schema
 
-    schema = get_json_schema(multiply)
+    schema = get_json_schema(add)
     out = []
     for a, b in pairs:
-        call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
         out.append({"tools": [schema], "messages": [
-            {"role": "user", "content": QUESTION.format(a=a, b=b)},
+            {"role": "user", "content": SUM.format(a=a, b=b)},
             {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "multiply", "content": str(multiply(a, b))},
-            {"role": "assistant", "content": str(multiply(a, b))}]})
+            {"role": "tool", "name": "add", "content": str(add(a, b))},
+            {"role": "assistant", "content": str(add(a, b))}]})
     return out
 
 
@@ -55,7 +58,7 @@ def main():
         path = HERE / f"multiply_rl_{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows(part)))
         print(f"{path}: {len(part)} rows")
-    path = HERE / "multiply_sft_train.jsonl"      # pairs of their own: neither GRPO's prompts nor held out
+    path = HERE / "add_sft_train.jsonl"      # pairs of their own: neither GRPO's prompts nor held out
     path.write_text("".join(json.dumps(r) + "\n" for r in exchanges(pairs[360:])))
     print(f"{path}: {len(pairs) - 360} rows")
 

@@ -14,3 +14,13 @@ def multiply(a: int, b: int) -> int:
         b: the second number
     """
     return int(a) * int(b)
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers exactly.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return int(a) + int(b)
