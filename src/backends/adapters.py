@@ -55,6 +55,9 @@ MLX_WEIGHTS = "adapters.safetensors"
 MLX_SUBDIR = "mlx"             # where a mudpuppy run keeps its mlx-lm copy
 PEFT_PREFIX = "base_model.model."
 MUDPUPPY_KEY = "mudpuppy"      # our section inside an mlx-lm adapter_config.json
+# The exact base mudpuppy trained on (backends.models.base_record), beside each adapter_config.json it writes;
+# PEFT and mlx-lm never read it (PEFT warns on unknown keys in adapter_config.json, so it is a file of its own).
+BASE_FILE = "mudpuppy_base.json"
 
 # PEFT options that change what the weights mean; an adapter using any of them
 # has no faithful mlx-lm equivalent, so it is refused rather than converted wrongly.
@@ -594,14 +597,82 @@ def write_mlx(adapter: Adapter, out: str | Path) -> Path:
 
 
 def convert_adapter(src: str | Path, dst: str | Path, to: str) -> Path:
-    """Convert the adapter in `src` to `to` ('peft' or 'mlx') in `dst`, which must be empty or new."""
+    """Convert the adapter in `src` to `to` ('peft' or 'mlx') in `dst`, which must be empty or new.
+
+    mudpuppy's record of the exact base goes along; an adapter without one whose base is a local directory
+    that names its Hub model (an older mudpuppy adapter, trained on the cache's conversion of an alias, or
+    on a Hub snapshot) is given one, so the copy names that Hub model."""
     if to not in ("peft", "mlx"):
         raise AdapterError(f"unknown adapter format {to!r}; choose peft or mlx")
     adapter = read_adapter(src)
     out = Path(dst)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise AdapterError(f"{out} already exists and is not an empty directory; choose a new destination")
-    return write_peft(adapter, out) if to == "peft" else write_mlx(adapter, out)
+    written = write_peft(adapter, out) if to == "peft" else write_mlx(adapter, out)
+    record = read_base_record(src) or local_base_record(adapter.base_model)
+    if record is not None:
+        record_base(written, record)
+    return written
+
+
+def local_base_record(base_model: str | None) -> dict | None:
+    """The record of a base named by a local directory that knows its Hub id; None otherwise."""
+    from .models import base_record_of_path, hub_id_of_dir
+
+    if not base_model or not Path(base_model).expanduser().is_dir() or hub_id_of_dir(base_model)[0] is None:
+        return None
+    return base_record_of_path(base_model)
+
+
+def record_base(directory: str | Path, record: dict) -> None:
+    """Name the base portably in the adapter configs of `directory` (PEFT's, and mlx-lm's copy in mlx/):
+    `record["base_model_name_or_path"]`, a Hub id where one is known; and keep mudpuppy's whole record
+    beside each (BASE_FILE), which is what mudpuppy loads the base from again."""
+    root = Path(directory)
+    name = record["base_model_name_or_path"]
+    for where in (root, root / MLX_SUBDIR):
+        path = where / CONFIG_FILE
+        if not path.is_file():
+            continue
+        config = json.loads(path.read_text(encoding="utf-8"))
+        if "peft_type" in config:
+            rename_in_card(where / "README.md", config.get("base_model_name_or_path"), name)
+            config["base_model_name_or_path"] = name
+        else:                                   # mlx-lm's: its "model", and the PEFT config it carries
+            config["model"] = name
+            peft = (config.get(MUDPUPPY_KEY) or {}).get("peft_config")
+            if isinstance(peft, dict):
+                peft["base_model_name_or_path"] = name
+        write_json_atomic(path, config)
+        write_json_atomic(where / BASE_FILE, record)
+
+
+def rename_in_card(card: Path, old: str | None, new: str) -> None:
+    """The placeholder card PEFT's save_pretrained writes names the base (front matter `base_model`, the tag
+    `base_model:adapter:...`) as its config did: rename it there too, and only there."""
+    if not old or old == new or not card.is_file():
+        return
+    text = card.read_text(encoding="utf-8")
+    if not text.startswith("---\n") or "\n---" not in text[4:]:
+        return
+    end = text.index("\n---", 4)
+    front = "\n".join(line.replace(old, new) if line.lstrip("- ").startswith(("base_model:", "base_model ")) else line
+                      for line in text[:end].split("\n"))
+    card.write_text(front + text[end:], encoding="utf-8")
+
+
+def read_base_record(directory: str | Path) -> dict | None:
+    """mudpuppy's record of the base an adapter directory was trained on (BASE_FILE), or None (an adapter
+    from elsewhere, or from before mudpuppy kept one)."""
+    from ..files import read_json
+
+    path = Path(directory) / BASE_FILE
+    if not path.is_file():
+        return None
+    record = read_json(path)
+    if not isinstance(record, dict) or not record.get("given"):
+        raise AdapterError(f"{path}: expected mudpuppy's record of the base model (an object with \"given\")")
+    return record
 
 
 def _plain_number(value: float):

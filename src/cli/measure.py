@@ -30,7 +30,8 @@ from .common import debug_option, handle_errors, set_option
               help="Put the --tasks prompts through the model's chat template (lm-eval's apply_chat_template).")
 @click.option("--backend", "-b", default=None, help="auto, cpu, cuda, rocm or mlx (default: the first run's).")
 @click.option("--base", "with_base", is_flag=True, help="Add the base model (adapter off) as a column.")
-@click.option("--base-model", default=None, help="Base model for adapter directories (default: their "
+@click.option("--base-model", default=None, help="Base model for adapter directories (default: the exact base "
+                                                 "mudpuppy recorded beside them, mudpuppy_base.json, else their "
                                                  "adapter_config.json's base_model_name_or_path).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Where eval.json, eval.md and the charts go (default: <first target>/eval for a run, "

@@ -4,8 +4,10 @@ A target is one of:
 
     run directory      config.yaml beside the adapter (adapter_config.json) or the whole model
                        (config.json): the run's base, tokenizer, chat template and data settings
-    adapter directory  adapter_config.json (PEFT, or mlx-lm's adapters.safetensors): on the base
-                       its adapter_config.json names (base_model_name_or_path), or --base-model
+    adapter directory  adapter_config.json (PEFT, or mlx-lm's adapters.safetensors): on the exact base
+                       mudpuppy recorded beside it (mudpuppy_base.json: the alias, path or Hub commit it
+                       trained on), else the one its adapter_config.json names (base_model_name_or_path),
+                       or --base-model
     model directory    config.json: a merged or plain causal LM, loaded as it is
     model alias        smollm2-135m-instruct, or a .gguf file (see backends/models.py)
 
@@ -22,8 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..backends.adapters import CONFIG_FILE as ADAPTER_CONFIG
-from ..backends.adapters import convert_adapter, detect_format, read_adapter
-from ..backends.models import MODEL_ALIASES
+from ..backends.adapters import convert_adapter, detect_format, read_adapter, read_base_record
+from ..backends.models import MODEL_ALIASES, base_to_load
 from ..config import RunConfig, load_config
 from ..errors import MudpuppyError
 from ..files import check_directory, read_json
@@ -189,7 +191,7 @@ def run_column(target: str, path: Path) -> Column:
 
 def adapter_column(target: str, path: Path, base_model: str | None, chat_template: str | None) -> Column:
     check_directory(path)
-    named = base_model or read_adapter_base(path)
+    named, revision = (base_model, None) if base_model else adapter_base(path)
     if not named:
         raise TargetError(f"{target}: the adapter does not name its base model ({ADAPTER_CONFIG} has no "
                           "base_model_name_or_path); pass --base-model")
@@ -197,7 +199,7 @@ def adapter_column(target: str, path: Path, base_model: str | None, chat_templat
         raise TargetError(f"{target}: its base model {named} ({ADAPTER_CONFIG}, base_model_name_or_path) does not "
                           "exist on this machine; pass --base-model with a path or alias of the same model")
     kind = read_adapter_kind(path)
-    cfg = synthetic_config(named, own_tokenizer(path), chat_template, adapter_type=kind)
+    cfg = synthetic_config(named, own_tokenizer(path), chat_template, adapter_type=kind, revision=revision)
     return Column("", target, "adapter", cfg, path, named)
 
 
@@ -212,7 +214,18 @@ def model_column(target: str, model: str, chat_template: str | None) -> Column:
     return Column("", target, "model", synthetic_config(model, None, chat_template))
 
 
+def adapter_base(path: Path) -> tuple[str | None, str | None]:
+    """(base model, revision) to load an adapter directory on: the exact base mudpuppy recorded when it saved
+    the adapter (an alias stays the alias, offline, though adapter_config.json names its Hub model), else
+    what adapter_config.json names."""
+    record = read_base_record(path)
+    if record is not None:
+        return base_to_load(record)
+    return read_adapter_base(path), None
+
+
 def read_adapter_base(path: Path) -> str | None:
+    """The base as the adapter's own config names it (PEFT's base_model_name_or_path, mlx-lm's model)."""
     if detect_format(path) == "peft":
         return read_json_object(path / ADAPTER_CONFIG).get("base_model_name_or_path")
     return read_adapter(path).base_model
@@ -230,9 +243,10 @@ def own_tokenizer(path: Path) -> str | None:
 
 
 def synthetic_config(model: str, tokenizer: str | None, chat_template: str | None,
-                     adapter_type: str = "none") -> RunConfig:
+                     adapter_type: str = "none", revision: str | None = None) -> RunConfig:
     """Defaults for a target that has no run config: the tokenizer's template, the default masks."""
-    return load_config({"model": {"base_model": model, "tokenizer": tokenizer}, "adapter": {"type": adapter_type},
+    return load_config({"model": {"base_model": model, "tokenizer": tokenizer, "revision": revision},
+                        "adapter": {"type": adapter_type},
                         "data": {"datasets": [{"path": "unused.jsonl"}], "chat_template": chat_template},
                         "output_dir": "unused"}, check_files=False)
 

@@ -303,9 +303,38 @@ def extra_tensors(config: dict, family: Family) -> list[Planned]:
 
 # --------------------------------------------------------------------------- writing
 
+def model_name(base: dict | None, finetune: str | None, fallback: str) -> str:
+    """general.name: the base model's name (its Hub id's name part, else the directory or file it was given
+    as), a fine-tune's name (its run's or adapter's directory) after it: "SmolLM2-135M-Instruct-qs".
+
+    llama.cpp reads this key: a name containing "phi3" or "phi-3" gets Phi-3's token attributes
+    (llama-vocab.cpp), and loading a vocabulary without Phi-3's </s>, <unk> and <s> then fails. A name
+    from the base's Hub id says what llama.cpp's own converter would; a fine-tune's suffix that would
+    change whether the name says "phi3" is left out."""
+    base = base or {}
+    if base.get("hub_id"):
+        stem = base["hub_id"].rsplit("/", 1)[-1]
+    elif base.get("given"):
+        given = str(base["given"]).rstrip("/\\")
+        stem = Path(given).name.removesuffix(".gguf") or given
+    else:
+        stem = fallback
+    if not finetune or finetune == stem:
+        return stem
+    named = f"{stem}-{finetune}"
+    return named if names_phi3(named) == names_phi3(stem) else stem
+
+
+def names_phi3(name: str) -> bool:
+    """llama.cpp's test (llama_vocab::impl::load) for giving a vocabulary Phi-3's token attributes."""
+    return any(s in name.lower() for s in ("phi3", "phi-3"))
+
+
 def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str, path: Path, name: str,
-               eot_id: int | None = None) -> dict:
-    """Write `model_dir` (a plain HF causal LM) as `path`; returns what was written, for export.json."""
+               eot_id: int | None = None, base_model: str | None = None) -> dict:
+    """Write `model_dir` (a plain HF causal LM) as `path`; returns what was written, for export.json.
+    `name` is general.name (`model_name`); `base_model`, the Hub id a fine-tune was trained from, goes
+    to general.base_model.* as llama.cpp's converter writes it."""
     import gguf
 
     quant = check_quant(quant)
@@ -320,7 +349,7 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
     target = path.with_name(path.stem + ".f16.tmp.gguf") if tool else path
 
     writer = gguf.GGUFWriter(str(target), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
-    add_model_metadata(writer, config, family, direct, name)
+    add_model_metadata(writer, config, family, direct, name, base_model)
     add_vocab(writer, vocab)
     for p in plan:
         shape, dtype, nbytes = p.info()
@@ -338,7 +367,7 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
     for p in plan:
         types[p.qtype.name] = types.get(p.qtype.name, 0) + 1
     return {"file": path.name, "architecture": gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)],
-            "notes": notes_of(family, config), "quant": quant,
+            "name": name, "notes": notes_of(family, config), "quant": quant,
             "tensor_types": types if not tool else {"written by llama-quantize": quant.upper()},
             "tokenizer": vocab.describe(), "special_ids": vocab.special_ids,
             "add_bos": vocab.add_bos, "bytes": path.stat().st_size}
@@ -348,7 +377,8 @@ FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_
               "q4_0": "MOSTLY_Q4_0"}
 
 
-def add_model_metadata(writer, config: dict, family: Family, quant: str, name: str) -> None:
+def add_model_metadata(writer, config: dict, family: Family, quant: str, name: str,
+                       base_model: str | None = None) -> None:
     """The keys every llama.cpp loader reads (llama_model_base::load_hparams), the rope scaling, then
     the family's own (gguf_families: experts, windows, soft-capping, Granite's scales...)."""
     import gguf
@@ -356,6 +386,13 @@ def add_model_metadata(writer, config: dict, family: Family, quant: str, name: s
     rope = rope_parameters(config)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
+    if base_model:
+        organization, _, repo = base_model.rpartition("/")
+        writer.add_base_model_count(1)
+        writer.add_base_model_name(0, repo)
+        if organization:
+            writer.add_base_model_organization(0, organization)
+        writer.add_base_model_repo_url(0, f"https://huggingface.co/{base_model}")
     writer.add_context_length(int(config["max_position_embeddings"]))
     writer.add_embedding_length(int(config["hidden_size"]))
     writer.add_feed_forward_length(int(config["intermediate_size"]))

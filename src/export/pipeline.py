@@ -2,10 +2,11 @@
 
 Every check that needs no weights runs first (options, the output directory, the source, the
 architecture and tokenizer for GGUF, the chat layout for Ollama, llama-quantize for K-quants,
-mlx-lm for MLX), so a mistake costs seconds, not a merge. The export is written into a hidden
-sibling of --out and renamed into place only once complete: an existing export is replaced
-(with --overwrite) only by a finished one, and a directory that is not a mudpuppy export is
-never cleared.
+mlx-lm for MLX), so a mistake costs seconds, not a merge. Every format gets a model card (card.py:
+the base by its Hub id, where its weights came from, how to load the export). The export is
+written into a hidden sibling of --out and renamed into place only once complete: an existing
+export is replaced (with --overwrite) only by a finished one, and a directory that is not a
+mudpuppy export is never cleared.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..errors import MudpuppyError, OutputExists
 from ..evaluation.suite import check_chat_template
 from . import gguf as gguf_format
 from . import mlx as mlx_format
+from .card import CARD, export_card
 from .chat_layout import LayoutError, TurnLayout, infer_layout, turn_tokens
 from .source import ExportSource, resolve_source
 
@@ -104,7 +106,9 @@ def export_model(req: ExportRequest, echo=print) -> ExportResult:
         src.dequantize_into(work, echo)
         record = write_format(req.format, src, tokenizer, layout, dtype, quant, staging, work, req.backend, echo)
         record.update(source=req.source, source_kind=src.kind, described=src.describe(), format=req.format,
-                      seconds=round(time.monotonic() - started, 1))
+                      base=src.base, finetune=src.finetune, seconds=round(time.monotonic() - started, 1))
+        # The card last: it states what the format wrote (mlx_lm.convert's own, front matter only, is replaced).
+        (staging / CARD).write_text(export_card(out, req.format, src, record), encoding="utf-8")
         files = sorted(p.name for p in staging.iterdir())
         record["files"] = files + [MARKER]
         (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
@@ -161,8 +165,12 @@ def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, s
     staging.mkdir()
     name = f"model-{quant}.gguf"
     echo(f"writing {name}")
+    base = src.base or {}
+    fine_tuned = src.kind in ("run", "adapter") or bool(src.finetune)
+    general_name = gguf_format.model_name(base, src.finetune, src.name)
     record = {"gguf": gguf_format.write_gguf(model_dir, tokenizer, tokenizer.chat_template, quant,
-                                             staging / name, src.name, end_of_turn_id(tokenizer, layout))}
+                                             staging / name, general_name, end_of_turn_id(tokenizer, layout),
+                                             base.get("hub_id") if fine_tuned else None)}
     for note in record["gguf"]["notes"]:
         echo(f"note: {note}")
     if fmt == "ollama":

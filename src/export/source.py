@@ -4,9 +4,14 @@ SOURCE is what `mudpuppy eval` takes as a target (evaluation/targets.py finds it
 
     run directory      config.yaml beside the adapter (LoRA, DoRA, QLoRA) or the whole model: the
                        run's base, its tokenizer and the chat template it trained with
-    adapter directory  adapter_config.json, on the base it names (or --base-model)
+    adapter directory  adapter_config.json, on the exact base mudpuppy recorded beside it
+                       (mudpuppy_base.json), else the one its config names (or --base-model)
     model directory    config.json: a merged, fully fine-tuned or plain causal LM
     model alias        smollm2-135m-instruct, a .gguf file, or a Hugging Face Hub id
+
+Each source also carries the record of its base model (`base`, backends.models.base_record): from a run's
+run_summary.json, an adapter's mudpuppy_base.json, an earlier export's export.json, or the name given. The
+model card and the GGUF's metadata name the base by it, with where its weights truly came from.
 
 A base or model directory whose config.json declares a `quantization_config` (a GPTQ output or a
 converted QAT model) is first dequantized into plain float32 weights by the dequantizer registered for
@@ -22,11 +27,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from ..backends.models import MODEL_ALIASES, looks_like_local_path, patch_rope_theta, resolve_model
+from ..backends.adapters import read_base_record
+from ..backends.models import MODEL_ALIASES, base_record, looks_like_local_path, patch_rope_theta, resolve_model
 from ..config import load_config
 from ..errors import MudpuppyError
 from ..evaluation.targets import (ADAPTER_CONFIG, MODEL_CONFIG, RUN_CONFIG, Column, adapter_column, model_column,
                                   read_json_object, run_column, with_trust)
+from ..files import read_json
 from .gptq import dequantize_gptq_dir
 from .qat import dequantize_qat_dir
 
@@ -56,6 +63,8 @@ class ExportSource:
     kind: str                      # run | adapter | model
     column: Column                 # what to load, and how (evaluation.targets)
     name: str                      # a short name for the files' metadata
+    base: dict | None = None       # the base model's record (backends.models.base_record)
+    finetune: str | None = None    # a fine-tune's name (the run's or adapter's directory); None for a plain model
 
     @property
     def cfg(self):
@@ -153,16 +162,21 @@ def find_source(source: str, base_model: str | None, chat_template: str | None) 
     name = path.name if path.exists() else source
     name = name.removesuffix(".gguf") or source
     if path.is_dir():
+        name = path.absolute().name or name          # "." names the directory it is
         if (path / RUN_CONFIG).is_file():
             cfg = load_config(path / RUN_CONFIG, check_files=False)
             if cfg.method in ("rm", "prm"):
                 raise SourceError(f"{source}: a reward model run (method {cfg.method}) scores sequences; export writes "
                                   "causal language models")
-            return ExportSource(source, "run", run_column(source, path), name)
+            return ExportSource(source, "run", run_column(source, path), name, run_base(path, cfg), name)
         if (path / ADAPTER_CONFIG).is_file():
-            return ExportSource(source, "adapter", adapter_column(source, path, base_model, chat_template), name)
+            column = adapter_column(source, path, base_model, chat_template)
+            record = None if base_model else read_base_record(path)
+            return ExportSource(source, "adapter", column, name, record or base_record(column.base_name), name)
         if (path / MODEL_CONFIG).is_file():
-            return ExportSource(source, "model", model_column(source, str(path), chat_template), name)
+            base, finetune = exported_base(path)
+            return ExportSource(source, "model", model_column(source, str(path), chat_template), name,
+                                base or base_record(source), finetune)
         raise SourceError(f"{source}: a directory, but not a run, an adapter or a model; {WHAT_A_SOURCE_IS}")
     if path.is_file() and path.suffix.lower() != ".gguf":
         raise SourceError(f"{source}: a file, not a model; {WHAT_A_SOURCE_IS}")
@@ -170,4 +184,26 @@ def find_source(source: str, base_model: str | None, chat_template: str | None) 
     if not path.exists() and (looks_like_local_path(source) or path.parent.name and path.parent.is_dir()):
         raise SourceError(f"{source}: no such file or directory ({path.resolve()}); {WHAT_A_SOURCE_IS}")
     # An alias, a .gguf file or a Hub id: resolved (converted once, cached) when the model is first needed.
-    return ExportSource(source, "model", model_column(source, source, chat_template), name)
+    return ExportSource(source, "model", model_column(source, source, chat_template), name, base_record(source))
+
+
+def run_base(path: Path, cfg) -> dict:
+    """A run's base as the run recorded it (run_summary.json), else as its config names it."""
+    summary = path / "run_summary.json"
+    if summary.is_file():
+        data = read_json(summary)
+        if isinstance(data, dict) and isinstance(data.get("base"), dict):
+            return data["base"]
+    return base_record(cfg.model.base_model, cfg.model.revision)
+
+
+def exported_base(path: Path) -> tuple[dict | None, str | None]:
+    """(base record, fine-tune name) that an earlier `mudpuppy export` of a model directory recorded in its
+    export.json (a merged run exported again as GGUF keeps naming its base); (None, None) otherwise."""
+    marker = path / "export.json"
+    if not marker.is_file():
+        return None, None
+    data = read_json(marker)
+    if not isinstance(data, dict) or not isinstance(data.get("base"), dict):
+        return None, None
+    return data["base"], data.get("finetune")

@@ -323,12 +323,17 @@ def watch_progress(cfg, log, total: int, done: int, main: bool):
 
 
 def run_summary(cfg, result: RunResult, info, n_train: int, n_val: int, **extra) -> dict:
-    """What run_summary.json holds for every method; a recipe adds its own fields via `extra`."""
+    """What run_summary.json holds for every method; a recipe adds its own fields via `extra`. `base` is the
+    exact base as this run resolved it (backends.models.base_record): how mudpuppy finds it again, the Hub
+    id the adapter's config names, and where the weights truly came from."""
+    from ..backends.models import base_record
+
     return {
         "status": "finished",
         "method": cfg.method,
         "adapter": info.kind,
         "base_model": cfg.model.base_model,
+        "base": base_record(cfg.model.base_model, cfg.model.revision),
         "steps": result.steps,
         "first_loss": result.losses[0] if result.losses else None,
         "final_loss": result.losses[-1] if result.losses else None,

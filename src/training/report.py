@@ -215,7 +215,11 @@ def settings_rows(cfg: dict, summary: dict) -> list[tuple[str, str]]:
 
 
 def model_card(out: Path, cfg: dict, summary: dict, charts: list[str], plots_missing: bool) -> str:
-    base = upstream_model(str(cfg.get("model", {}).get("base_model", "")))
+    from ..backends.models import describe_provenance
+
+    record = summary.get("base") if isinstance(summary.get("base"), dict) else None
+    given = str(cfg.get("model", {}).get("base_model", ""))
+    base = record["base_model_name_or_path"] if record else upstream_model(given)
     adapter = (cfg.get("adapter") or {}).get("type", "lora") != "none"
     method = cfg.get("method", "sft")
     tags = ["mudpuppy", method]
@@ -237,6 +241,8 @@ def model_card(out: Path, cfg: dict, summary: dict, charts: list[str], plots_mis
              f"Fine-tuned from {hub_link(base)} with "
              f"mudpuppy: {method}"
              + (f" with a {cfg['adapter']['type']} adapter." if adapter else ", full fine-tuning."), ""]
+    if record:
+        lines += ["## Base model", "", describe_provenance(record), ""]
     lines += ["## Training", "", "| setting | value |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in settings_rows(cfg, summary)]
     lines.append("")

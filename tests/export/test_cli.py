@@ -104,7 +104,7 @@ def test_k_quants_need_an_installed_llama_quantize(tiny_model_dir, tmp_path):
     assert done.exit_code == 0, done.output
     source, target, kind = (tmp_path / "args.txt").read_text().split()
     assert kind == "Q4_K_M" and target.endswith("model-q4_k_m.gguf") and source.endswith(".f16.tmp.gguf")
-    assert sorted(p.name for p in out.iterdir()) == ["export.json", "model-q4_k_m.gguf"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "export.json", "model-q4_k_m.gguf"]
     import gguf
 
     reader = gguf.GGUFReader(str(out / "model-q4_k_m.gguf"))

@@ -38,6 +38,10 @@ def test_an_fp32_mlx_export_of_a_run_matches_torch(lora_run, peft_merged, prompt
     got, mlx_tok = mlx_logits(out, prompt)
     assert np.abs(got - logits(model, prompt)).max() < 1e-3
     assert mlx_tok.chat_template == tok.chat_template          # the training template travels along
+    # mudpuppy's card, not mlx_lm.convert's front matter alone (which names the scratch merge as the base)
+    card = (out / "README.md").read_text()
+    assert "library_name: mlx" in card and "## Base model" in card and "## What was trained" in card
+    assert f'load("{out.name}")' in card and "mlx_lm.generate" in card and ".work-" not in card
     config = json.loads((out / "config.json").read_text())
     assert config["rope_theta"] == model.config.rope_parameters["rope_theta"]
     assert "quantization" not in config

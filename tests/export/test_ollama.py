@@ -235,7 +235,8 @@ def test_an_ollama_export_of_a_run_uses_its_training_template(lora_run, tmp_path
 
     out = tmp_path / "ollama"
     export_model(ExportRequest(str(lora_run), "ollama", str(out), quant="q8_0"), echo=lambda *_a, **_k: None)
-    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "export.json", "model-q8_0.gguf"]
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "README.md", "export.json", "model-q8_0.gguf"]
+    assert f"ollama create {out.name} -f Modelfile" in (out / "README.md").read_text()
     text = (out / "Modelfile").read_text()
     assert "FROM ./model-q8_0.gguf" in text
     template = re.search(r'TEMPLATE """(.*?)"""', text, flags=re.S)[1]

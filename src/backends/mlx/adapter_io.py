@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from ...errors import MudpuppyError
 from .. import adapters as fmt
+from ..models import base_record_of_path
 from .experts import SPLITS, TARGETS, expert_adapters, expert_modules, torch_path, wrap_experts
 from .layers import adapter_layers, linear_dims, linear_layers, wrap_linears
 from .loading import HEAD_NAME
@@ -67,6 +68,7 @@ def save_adapter(handle, path: str) -> None:
     adapter = adapter_from_model(handle)
     fmt.write_peft(adapter, path)
     fmt.write_mlx(adapter, Path(path) / fmt.MLX_SUBDIR)
+    fmt.record_base(path, base_record_of_path(handle.source))   # the base named portably, the exact one beside
 
 
 def load_adapter(handle, path: str, trainable: bool = False) -> None:

@@ -18,7 +18,8 @@ import torch
 from ...data.tokenizers import load_text_tokenizer, save_tokenizer
 from ...errors import MudpuppyError
 from ...quantization.qat import is_qat_checkpoint
-from ..models import resolve_model
+from ..adapters import record_base
+from ..models import base_record_of_path, resolve_model
 from ..protocol import AdapterInfo
 from ..routing import read_router_aux_coefficient
 from . import logprobs
@@ -216,10 +217,12 @@ class TorchBackend:
         return report.summary() + (f"; {experts.summary()}" if experts.tensors else "")
 
     def save_adapter(self, handle: TorchModel, path: str) -> None:
-        """The PEFT adapter; in a distributed run the same file a single process writes, from rank 0."""
+        """The PEFT adapter; in a distributed run the same file a single process writes, from rank 0. Its
+        config names the base portably, mudpuppy's exact record beside it (adapters.record_base)."""
         state = self._gather_state(handle, trainable_only=True)
         if self.ranks.is_main:
             handle.model.save_pretrained(path, safe_serialization=True, **state)
+            record_base(path, base_record_of_path(handle.source))
 
     def load_adapter(self, handle: TorchModel, path: str) -> None:
         from peft import PeftConfig, PeftModel
