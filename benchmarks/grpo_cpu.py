@@ -64,7 +64,8 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_cpu import native_precision, peak_rss_mb  # noqa: E402
+from quality import save_results  # noqa: E402
+from sft_cpu import announce_precision, peak_rss_mb  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "configs" / "data" / "arithmetic_rl_train.jsonl"
@@ -307,13 +308,6 @@ def machine() -> str:
     return cpu
 
 
-def save(path: Path, results: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1))
-    tmp.replace(path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps a run")
@@ -351,11 +345,7 @@ def main() -> None:
     if args.steps < 1 or args.repeat < 1 or args.warmup_steps < 0:
         sys.exit("--steps and --repeat must be at least 1, --warmup-steps at least 0")
 
-    if args.precision == "auto":
-        precision, why = native_precision()
-    else:
-        precision, why = args.precision, "forced with --precision"
-    print(f"precision: {precision} for both TRL and mudpuppy ({why})", flush=True)
+    precision, why = announce_precision(args.precision)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if args.threads:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
@@ -387,7 +377,7 @@ def main() -> None:
             r = {"side": side, "pair": pair, "process_seconds": time.perf_counter() - started,
                  **json.loads(result_file.read_text())}
             results["runs"].append(r)
-            save(args.out, results)
+            save_results(args.out, results)
             x = summarize(r, args.warmup_steps)
             print(f"  {side}: {x['s_per_step']:.2f} s/step, {x['gen_tok_s']:.0f} gen tok/s, generation "
                   f"{x['gen_share']:.0%} of the step, mean completion {x['mean_len']:.1f} tokens, "

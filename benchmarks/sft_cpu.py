@@ -59,6 +59,13 @@ def trl_prompt_completion(records: list[dict]):
     return Dataset.from_list([{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in records])
 
 
+def announce_precision(choice: str) -> tuple[str, str]:
+    """(the precision both sides run at, why) for `--precision` (`auto`: native_precision), printed."""
+    precision, why = native_precision() if choice == "auto" else (choice, "forced with --precision")
+    print(f"precision: {precision} for both TRL and mudpuppy ({why})", flush=True)
+    return precision, why
+
+
 def native_precision() -> tuple[str, str]:
     """bf16 where this CPU runs bf16 matmuls natively, else fp32; and why."""
     from mudpuppy.backends.torch.cpu import cpu_has_fast_bf16
@@ -186,11 +193,7 @@ def main() -> None:
     if args.repeat < 1 or args.steps < 1:
         sys.exit("--steps and --repeat must be at least 1")
 
-    if args.precision == "auto":
-        precision, why = native_precision()
-    else:
-        precision, why = args.precision, "forced with --precision"
-    print(f"precision: {precision} for both TRL and mudpuppy ({why})", flush=True)
+    precision, why = announce_precision(args.precision)
 
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {"trl": [], "mudpuppy": []}
