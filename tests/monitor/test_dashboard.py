@@ -200,7 +200,10 @@ def test_a_run_under_tmux_shows_step_loss_and_eta_and_exits_cleanly(tiny_config,
         while not rc_file.exists() and time.time() < deadline:
             pane = subprocess.run([*tmux, "capture-pane", "-p", "-t", "tui"], capture_output=True, text=True).stdout
             step = re.search(r"step (\d+)/40 ", pane)
-            if mid_run is None and step and 0 < int(step.group(1)) < 40 and "eta " in pane:
+            # A pane captured while the frame is being redrawn holds the header box alone (seen on a loaded
+            # machine): only a whole frame, its log panel drawn, counts.
+            whole = "─ log " in pane and "adapter: " in pane
+            if mid_run is None and step and 0 < int(step.group(1)) < 40 and "eta " in pane and whole:
                 mid_run = pane
             time.sleep(0.1)
         assert mid_run is not None, f"no mid-run frame captured; last pane:\n{pane}"
