@@ -55,7 +55,7 @@ MLX_WEIGHTS = "adapters.safetensors"
 MLX_SUBDIR = "mlx"             # where a mudpuppy run keeps its mlx-lm copy
 PEFT_PREFIX = "base_model.model."
 MUDPUPPY_KEY = "mudpuppy"      # our section inside an mlx-lm adapter_config.json
-# The exact base mudpuppy trained on (backends.models.base_record), beside each adapter_config.json it writes;
+# The exact base mudpuppy trained on (backends.provenance.base_record), beside each adapter_config.json it writes;
 # PEFT and mlx-lm never read it (PEFT warns on unknown keys in adapter_config.json, so it is a file of its own).
 BASE_FILE = "mudpuppy_base.json"
 
@@ -617,7 +617,7 @@ def convert_adapter(src: str | Path, dst: str | Path, to: str) -> Path:
 
 def local_base_record(base_model: str | None) -> dict | None:
     """The record of a base named by a local directory that knows its Hub id; None otherwise."""
-    from .models import base_record_of_path, hub_id_of_dir
+    from .provenance import base_record_of_path, hub_id_of_dir
 
     if not base_model or not Path(base_model).expanduser().is_dir() or hub_id_of_dir(base_model)[0] is None:
         return None
@@ -648,7 +648,7 @@ def record_base(directory: str | Path, record: dict) -> None:
 
 
 def rename_in_card(card: Path, old: str | None, new: str) -> None:
-    """The placeholder card PEFT's save_pretrained writes names the base (front matter `base_model`, the tag
+    """The minimal card PEFT's save_pretrained writes names the base (front matter `base_model`, the tag
     `base_model:adapter:...`) as its config did: rename it there too, and only there."""
     if not old or old == new or not card.is_file():
         return

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from ..backends.models import describe_provenance
+from ..backends.provenance import describe_provenance
 
 CARD = "README.md"
 LIBRARIES = {"merged": "transformers", "gguf": "gguf", "ollama": "gguf", "mlx": "mlx"}

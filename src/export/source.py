@@ -9,7 +9,7 @@ SOURCE is what `mudpuppy eval` takes as a target (evaluation/targets.py finds it
     model directory    config.json: a merged, fully fine-tuned or plain causal LM
     model alias        smollm2-135m-instruct, a .gguf file, or a Hugging Face Hub id
 
-Each source also carries the record of its base model (`base`, backends.models.base_record): from a run's
+Each source also carries the record of its base model (`base`, backends.provenance.base_record): from a run's
 run_summary.json, an adapter's mudpuppy_base.json, an earlier export's export.json, or the name given. The
 model card and the GGUF's metadata name the base by it, with where its weights truly came from.
 
@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..backends.adapters import read_base_record
-from ..backends.models import MODEL_ALIASES, base_record, looks_like_local_path, patch_rope_theta, resolve_model
+from ..backends.models import MODEL_ALIASES, looks_like_local_path, patch_rope_theta, resolve_model
+from ..backends.provenance import base_record
 from ..config import load_config
 from ..errors import MudpuppyError
 from ..evaluation.targets import (ADAPTER_CONFIG, MODEL_CONFIG, RUN_CONFIG, Column, adapter_column, model_column,
@@ -63,7 +64,7 @@ class ExportSource:
     kind: str                      # run | adapter | model
     column: Column                 # what to load, and how (evaluation.targets)
     name: str                      # a short name for the files' metadata
-    base: dict | None = None       # the base model's record (backends.models.base_record)
+    base: dict | None = None       # the base model's record (backends.provenance.base_record)
     finetune: str | None = None    # a fine-tune's name (the run's or adapter's directory); None for a plain model
 
     @property

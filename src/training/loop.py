@@ -324,9 +324,9 @@ def watch_progress(cfg, log, total: int, done: int, main: bool):
 
 def run_summary(cfg, result: RunResult, info, n_train: int, n_val: int, **extra) -> dict:
     """What run_summary.json holds for every method; a recipe adds its own fields via `extra`. `base` is the
-    exact base as this run resolved it (backends.models.base_record): how mudpuppy finds it again, the Hub
+    exact base as this run resolved it (backends.provenance.base_record): how mudpuppy finds it again, the Hub
     id the adapter's config names, and where the weights truly came from."""
-    from ..backends.models import base_record
+    from ..backends.provenance import base_record
 
     return {
         "status": "finished",

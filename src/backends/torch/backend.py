@@ -19,7 +19,8 @@ from ...data.tokenizers import load_text_tokenizer, save_tokenizer
 from ...errors import MudpuppyError
 from ...quantization.qat import is_qat_checkpoint
 from ..adapters import record_base
-from ..models import base_record_of_path, resolve_model
+from ..models import resolve_model
+from ..provenance import base_record_of_path
 from ..protocol import AdapterInfo
 from ..routing import read_router_aux_coefficient
 from . import logprobs
