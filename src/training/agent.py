@@ -20,6 +20,7 @@ from dataclasses import replace
 from ..data.prepare import render_options
 from ..data.render import render_prompt_only
 from ..rewards import RewardFunction
+from ..rewards.specs import unique_names
 from .environments import Environments
 from .multiturn import Agent, ToolLoop
 from .tools import ToolError, load_tools
@@ -46,10 +47,7 @@ def environment_reward(environments, funcs: list) -> list[RewardFunction]:
     if environments is None or not environments.has_reward:
         return []
     spec = environments.reward_spec()
-    taken = {f.name for f in funcs}
-    name, k = spec.name, 2
-    while name in taken:
-        name, k = f"{spec.name}_{k}", k + 1
+    name = unique_names([f.name for f in funcs] + [spec.name])[-1]     # a repeat gets _2, as reward names do
     return [RewardFunction(replace(spec, name=name), environments.reward_function())]
 
 

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..data.tools import hermes_call, llama3_call
+from ..data.tools import BUILTIN_TOOL_FORMATS, to_builtin_format
 from ..errors import MudpuppyError
 from ..rewards.imports import import_function
 from ..rewards.specs import function_spec
@@ -188,16 +188,12 @@ def template_syntax(tokenizer) -> str:
 # --------------------------------------------------------------------------- writing results back
 
 def result_messages(fmt: str, turn: Turn, results: list[tuple[str, str]]) -> tuple[dict, list[dict]]:
-    """(the assistant message that made the calls, the tool messages) as format `fmt` renders them."""
-    if fmt == "hermes":
-        text = "\n".join(hermes_call(c.as_message_call()) for c in turn.calls)
-        call = {"role": "assistant", "content": (turn.content + "\n" if turn.content else "") + text}
-        return call, [{"role": "tool", "content": f"<tool_response>\n{content}\n</tool_response>"}
-                      for _, content in results]
-    if fmt == "llama3":
-        call = {"role": "assistant", "content": llama3_call(turn.calls[0].as_message_call())}
-        return call, [{"role": "ipython", "content": content} for _, content in results]
-    return turn.message(), [{"role": "tool", "name": name, "content": content} for name, content in results]
+    """(the assistant message that made the calls, the tool messages) as format `fmt` renders them: the
+    template's own messages, or the built-in format's text as the data pipeline writes it (to_builtin_format)."""
+    messages = [turn.message()] + [{"role": "tool", "name": name, "content": content} for name, content in results]
+    if fmt in BUILTIN_TOOL_FORMATS:
+        messages, _, _ = to_builtin_format(fmt, messages, [False] * len(messages), None)
+    return messages[0], messages[1:]
 
 
 def suffix_ids(tokenizer, call_message: dict, tool_messages: list[dict], stop_ids: set[int]) -> list[int]:
