@@ -2,6 +2,7 @@
 reads), where the weights the fine-tune trained on truly came from, what the export holds and how to
 load it with the library it is for (transformers, llama.cpp, Ollama, mlx-lm).
 
+`mudpuppy merge` and `merge: true` write the same card for their merged model (training/merge.py).
 The MLX export replaces the card mlx_lm.convert leaves, which is front matter alone and names the
 scratch directory of the merge as its base.
 """
@@ -77,9 +78,9 @@ def usage(fmt: str, name: str, record: dict) -> list[str]:
             "or from the shell:", "", "```sh", f'mlx_lm.generate --model {name} --prompt "Hello"', "```"]
 
 
-def export_card(out: Path, fmt: str, src, record: dict) -> str:
+def export_card(out: Path, fmt: str, src, record: dict, verb: str = "export") -> str:
     """README.md for the export of `src` (export.pipeline's ExportSource) as `fmt` into `out`; `record` is
-    what export.json records (the format's own details)."""
+    what export.json records (the format's own details); `verb` the command that wrote it (export, merge)."""
     base = src.base or {}
     hub_id = base.get("hub_id")
     finetuned = src.kind in ("run", "adapter") or bool(src.finetune)
@@ -99,7 +100,7 @@ def export_card(out: Path, fmt: str, src, record: dict) -> str:
     named = hub_link(hub_id) if hub_id else f"`{base.get('given') or src.given}`"
     held = what_it_holds(fmt, record)
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {name}", "",
-             f"{held[0].upper()}{held[1:]}, written by `mudpuppy export` from `{src.given}` ({src.describe()}).", "",
+             f"{held[0].upper()}{held[1:]}, written by `mudpuppy {verb}` from `{src.given}` ({src.describe()}).", "",
              "## Base model", "", f"Base: {named}.", ""]
     trained = training_line(src)
     provenance = describe_provenance(base, trained=trained is not None)

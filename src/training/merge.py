@@ -1,11 +1,21 @@
-"""`mudpuppy merge`: fold a finished run's adapter into its base model."""
+"""`mudpuppy merge`: fold a finished run's adapter into its base model.
+
+The merged directory gets what `mudpuppy export --format merged` gives it besides the weights: a model
+card naming the base by its Hub id and where its weights came from, and export.json recording the base,
+so a later `mudpuppy export` of the merged model (to GGUF, say) still names the base it was trained on.
+"""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from ..errors import MudpuppyError, OutputExists
+from ..export.card import CARD, export_card
+from ..export.source import resolve_source
+
+MARKER = "export.json"
 
 
 def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None = None,
@@ -33,7 +43,18 @@ def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None 
         backend.quantize_base(handle, cfg.adapter)
     backend.load_adapter(handle, str(adapter))
     backend.merge_and_save(handle, str(out), dtype or cfg.merge_dtype)
+    describe_merge(out, adapter, dtype or cfg.merge_dtype)
     return out
+
+
+def describe_merge(out: Path, adapter: Path, dtype: str) -> None:
+    """The model card and export.json of a merged model, as `mudpuppy export --format merged` writes them."""
+    src = resolve_source(str(adapter))
+    record = {"dtype": dtype, "source": str(adapter), "source_kind": src.kind, "described": src.describe(),
+              "format": "merged", "base": src.base, "finetune": src.finetune}
+    (out / CARD).write_text(export_card(out, "merged", src, record, verb="merge"), encoding="utf-8")
+    record["files"] = sorted(p.name for p in out.iterdir()) + [MARKER]
+    (out / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def merge_at_end(cfg, backend, out: Path, echo) -> None:

@@ -74,6 +74,32 @@ def test_merge_command_is_idempotent_and_protects_its_output(tiny_config, tmp_pa
     assert merge_adapter(plain) is plain
 
 
+def test_a_merged_model_carries_a_card_and_its_base(tiny_config, tmp_path):
+    """`merge` writes the card and export.json `export --format merged` writes: the card says what made it
+    and names the base; a later export of the merged model still knows its base and the fine-tune."""
+    import json
+
+    from mudpuppy.export.source import resolve_source
+
+    tiny_config["training"]["max_steps"] = 1
+    tiny_config["eval"] = {"before_training": False, "after_training": False}
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_config))
+    runner = CliRunner()
+    assert runner.invoke(main, ["run", "-c", str(cfg_path)]).exit_code == 0
+    merged = runner.invoke(main, ["merge", "-c", str(cfg_path), "--dtype", "float32"])
+    assert merged.exit_code == 0, merged.output
+    out = tmp_path / "run" / "merged"
+    card = (out / "README.md").read_text()
+    assert "written by `mudpuppy merge`" in card and "## What was trained" in card
+    record = json.loads((out / "export.json").read_text())
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert record["base"] == summary["base"] and record["source_kind"] == "run" and record["dtype"] == "float32"
+    assert set(record["files"]) == {p.name for p in out.iterdir()}
+    again = resolve_source(str(out))
+    assert again.kind == "model" and again.base == summary["base"] and again.finetune == "run"
+
+
 def test_merge_without_an_adapter_is_a_clear_error(tiny_config, tmp_path):
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(tiny_config))
