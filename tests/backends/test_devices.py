@@ -21,7 +21,7 @@ from mudpuppy import create_backend
 from mudpuppy.backends import factory
 from mudpuppy.backends.torch import cuda, devices, rocm
 from mudpuppy.backends.torch.backend import DevicePlan, TorchBackend
-from mudpuppy.errors import BackendUnavailable
+from mudpuppy.errors import BackendUnavailable, MudpuppyError
 
 HIP = "7.2.53211-e0a5e2e8b"
 VISIBILITY = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
@@ -62,7 +62,7 @@ class Machine:
     """A simulated torch build and its GPUs; records which GPUs the probe touched."""
 
     def __init__(self, monkeypatch, build: str, gpus: list[FakeProps], failing: dict[int, str] | None = None):
-        self.gpus, self.failing, self.checked = gpus, failing or {}, []
+        self.gpus, self.failing, self.checked, self.current = gpus, failing or {}, [], []
         monkeypatch.setattr(torch.version, "hip", HIP if build == "rocm" else None)
         monkeypatch.setattr(torch.version, "cuda", "12.8" if build == "cuda" else None)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(gpus))
@@ -71,8 +71,11 @@ class Machine:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: gpus[i].name)
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # ROCm's answer; never trusted
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+        monkeypatch.setattr(torch.cuda, "set_device", self.current.append)
         monkeypatch.setattr(devices, "check_gpu", self.check)
         monkeypatch.setattr(devices, "attention_report", self.attention)
+
+    current: list  # every device made current (torch.cuda.set_device), in order
 
     def check(self, index: int) -> str:
         self.checked.append(index)
@@ -309,6 +312,68 @@ def test_explicit_device_selection_and_its_errors(monkeypatch):
         rocm.create(result, devices=[0, 1])
     with pytest.raises(BackendUnavailable, match="precision: 'fp64' is not one of"):
         rocm.create(result, precision="fp64")
+
+
+def test_the_chosen_gpu_is_made_current(monkeypatch):
+    machine = Machine(monkeypatch, "rocm", [MI210, MI210])
+    rocm.create(rocm.probe(), devices=[1])
+    assert machine.current == [torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize("local_rank, gpu", [(0, 1), (1, 2)])
+def test_each_rank_probes_and_binds_only_its_own_gpu(monkeypatch, local_rank, gpu):
+    """Under torchrun, rank i trains on the i-th usable GPU: only that GPU is allocated on (N contexts for N
+    ranks, not N x N), and it is made current, so NCCL, torchao's streams and torch.cuda calls without a
+    device do not all land on cuda:0."""
+    machine = Machine(monkeypatch, "rocm", [RAPHAEL_IGPU, MI210, MI210])
+    for var, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", str(local_rank)),
+                       ("LOCAL_RANK", str(local_rank))):
+        monkeypatch.setenv(var, value)
+    result = rocm.probe()
+    assert result.available and machine.checked == []
+    plan = devices.plan_run(rocm.KIND, result)
+    assert plan.device == torch.device("cuda", gpu)
+    assert machine.checked == [gpu] and machine.current == [torch.device("cuda", gpu)]
+
+
+def test_a_rank_whose_gpu_fails_the_probe_says_which(monkeypatch):
+    Machine(monkeypatch, "cuda", [RTX_4090, RTX_4090], failing={1: "CUDA error: an illegal memory access"})
+    for var, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(var, value)
+    with pytest.raises(BackendUnavailable, match="cuda:1, local rank 1's GPU, cannot be used: probe failed: CUDA error"):
+        devices.plan_run(cuda.KIND, cuda.probe())
+
+
+def test_the_process_group_is_bound_to_the_ranks_gpu(monkeypatch):
+    from mudpuppy.backends.torch import distributed as torch_distributed
+
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch_distributed, "joined", lambda: False)
+    monkeypatch.setattr(torch_distributed.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch_distributed.dist, "init_process_group", lambda **kw: seen.update(kw))
+    torch_distributed.join("cuda", None)
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1)
+    torch_distributed.join("cpu", None)
+    assert seen["backend"] == "gloo" and seen["device_id"] is None
+
+
+@pytest.mark.parametrize("make", [cuda, rocm])
+def test_a_low_bit_optimizer_is_checked_where_its_update_runs(monkeypatch, make):
+    """With optimizer offload the update runs on the host: the CPU's toolchain is what it needs."""
+    from mudpuppy.backends.torch import optimizers
+    from mudpuppy.config import MemoryConfig
+
+    Machine(monkeypatch, "cuda" if make is cuda else "rocm", [MI210])
+    asked = []
+    monkeypatch.setattr(optimizers, "low_bit_problem", lambda name, device: asked.append(device) or "no")
+    for memory, where in ((None, "cuda"), (MemoryConfig(optimizer_offload=True), "cpu")):
+        with pytest.raises(MudpuppyError, match="adamw_8bit"):
+            make.create(make.probe(), memory=memory, optimizer="adamw_8bit")
+        assert asked[-1] == where
 
 
 def test_create_backend_passes_device_options_through(monkeypatch):

@@ -40,7 +40,7 @@ def create(availability: Availability, precision: str | None = None, devices=Non
     if devices:
         raise MudpuppyError("devices: picks GPUs; the cpu backend has none to pick (remove it or choose rocm/cuda)")
     check_memory_options("cpu", memory, gpu=False)
-    check_optimizer("cpu", optimizer)
+    check_optimizer("cpu", optimizer, memory)
     fast_bf16 = bool(availability.details.get("bf16"))
     autocast = torch.bfloat16 if fast_bf16 else None
     note = "precision: bf16 autocast (native bf16 matmuls)" if fast_bf16 else "precision: fp32 (no native bf16 on this CPU)"

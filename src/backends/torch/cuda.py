@@ -95,5 +95,5 @@ def create(availability: Availability, devices: int | list[int] | None = None,
            precision: str | None = None, memory=None, optimizer: str = "adamw", distributed=None,
            **_options) -> TorchBackend:
     check_memory_options(KIND.name, memory, gpu=True)
-    check_optimizer(KIND.name, optimizer)
+    check_optimizer(KIND.name, optimizer, memory)
     return TorchBackend(plan_run(KIND, availability, devices, precision, memory, optimizer, distributed))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...distributed import launched
+from ...distributed import from_environment, launched
 from ...errors import BackendUnavailable
 from ..protocol import Availability
 from .handle import DevicePlan
@@ -178,15 +178,18 @@ def read_gpu(kind: GpuKind, index: int) -> Gpu:
     )
 
 
-def survey_gpus(kind: GpuKind) -> list[Gpu]:
+def survey_gpus(kind: GpuKind, probe: bool = True) -> list[Gpu]:
     """Every visible GPU, each marked usable or with the reason it is skipped.
 
     Known-bad GPUs are skipped by name *before* the probe: the integrated GPUs
-    in question segfault, which no try/except can catch.
+    in question segfault, which no try/except can catch. With `probe` off (one
+    rank of a distributed run) no GPU is allocated on here: reading properties
+    creates no context, and `plan_run` probes the one GPU the rank trains on,
+    so N ranks make N contexts, not N x N.
     """
     gpus = [read_gpu(kind, i) for i in range(torch.cuda.device_count())]
     for gpu in gpus:
-        gpu.problem = kind.exclude(gpu) or run_check(gpu.index)
+        gpu.problem = kind.exclude(gpu) or (run_check(gpu.index) if probe else "")
     return gpus
 
 
@@ -218,7 +221,7 @@ def probe_kind(kind: GpuKind) -> Availability:
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return Availability(kind.name, False, kind.no_gpu_reason())
     allocator = set_allocator_defaults(kind)
-    gpus = survey_gpus(kind)
+    gpus = survey_gpus(kind, probe=not launched())
     usable = [g for g in gpus if g.usable]
     details = {
         "torch": torch.__version__, "runtime": kind.runtime(), "gpus": gpus,
@@ -266,8 +269,6 @@ def select_device(gpus: list[Gpu], requested: int | list[int] | tuple[int, ...] 
 def select_rank_device(gpus: list[Gpu], requested) -> int:
     """In a distributed run, local rank i trains on the i-th usable GPU (or the i-th of `devices`); an
     integrated GPU the probe excluded never counts, so LOCAL_RANK maps onto usable GPUs only."""
-    from ...distributed import from_environment
-
     ranks = from_environment()
     usable = [g.index for g in gpus if g.usable]
     chosen = usable if not requested else ([requested] if isinstance(requested, int) else list(requested))
@@ -454,8 +455,17 @@ def plan_run(kind: GpuKind, availability: Availability, devices: int | list[int]
     gpus: list[Gpu] = availability.details["gpus"]
     index = select_rank_device(gpus, devices) if launched() else select_device(gpus, devices)
     gpu = gpus[index]
+    if launched():                      # the survey left the probe to the GPU this rank trains on
+        problem = run_check(index)
+        if problem:
+            rank = from_environment().local_rank
+            raise BackendUnavailable(f"cuda:{index}, local rank {rank}'s GPU, cannot be used: {problem}")
     chosen = choose_precision(kind, gpu, precision)
     device = torch.device("cuda", index)
+    # The current device is where everything not placed explicitly lands: NCCL's communicator for the
+    # first collective, torchao's offload stream, torch.cuda.* calls without a device. Left at cuda:0,
+    # every rank of a multi-GPU run would meet there.
+    torch.cuda.set_device(device)
     allocator = availability.details["allocator"]
     env = visibility_env(kind, [index], len(gpus))
     env[allocator["variable"]] = allocator["value"]

@@ -6,8 +6,8 @@ the process group each copy was given and runs the engines torch ships; it
 adds no communication of its own beyond one all-reduce of the step's counts.
 
 - `join` starts the process group: gloo on the CPU, nccl on CUDA and on
-  ROCm (where torch's nccl is RCCL), and installs the collectives the
-  recipes use (distributed.py at the package root).
+  ROCm (where torch's nccl is RCCL) bound to the rank's own GPU, and installs
+  the collectives the recipes use (distributed.py at the package root).
 - `Engine` wraps the model for training. The recipes compute losses by
   calling pieces of the model (the decoder, then the output head in chunks),
   not its forward, so both engines wrap a `Step` module whose forward runs
@@ -64,7 +64,10 @@ def join(device_type: str, cfg) -> ranks_module.Ranks:
     if not joined():
         backend = "gloo" if device_type == "cpu" else "nccl"      # nccl is RCCL on a ROCm build
         timeout = datetime.timedelta(seconds=cfg.timeout_s if cfg is not None else 600)
-        dist.init_process_group(backend=backend, timeout=timeout)
+        # The rank's own GPU (devices.plan_run made it current): NCCL binds its communicator to it at once,
+        # instead of guessing from the current device at the first collective.
+        device = None if device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device)
         atexit.register(_leave)
     ranks.barrier = _barrier
     ranks.broadcast = _broadcast

@@ -167,5 +167,5 @@ def create(availability: Availability, devices: int | list[int] | None = None,
            **_options) -> TorchBackend:
     """One GPU, loaded on the CPU first and moved whole: `device_map="auto"` segfaults with an iGPU present."""
     check_memory_options(KIND.name, memory, gpu=True)
-    check_optimizer(KIND.name, optimizer)
+    check_optimizer(KIND.name, optimizer, memory)
     return TorchBackend(plan_run(KIND, availability, devices, precision, memory, optimizer, distributed))
