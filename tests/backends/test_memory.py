@@ -211,6 +211,26 @@ def test_activation_offload_moves_each_checkpointed_layer_input(tiny_config, tmp
     assert len(moved) == 2 and all(shape[0] == 4 and shape[-1] == 32 for shape in moved)
 
 
+def test_offloaded_layer_inputs_keep_the_compute_devices_rng_in_the_checkpoint():
+    """With every layer input in host memory, torch.utils.checkpoint would save and restore the CPU's RNG and
+    autocast state only (it looks at its tensor arguments' devices), so on a GPU the recompute would draw other
+    dropout masks. The offload hands it a tensor on the compute device too: here a 'meta' device stands in for
+    the GPU, and torch's own inference of the device whose state it saves must name it."""
+    from torch.utils.checkpoint import _infer_device_type
+
+    offload = memory_mod.ActivationOffload(torch.device("meta"), torch.device("cpu"))
+    seen = {}
+
+    def checkpoint_fn(run, *args, **kwargs):
+        seen["device"] = _infer_device_type(*args)
+        return run(*args)
+
+    hidden = torch.ones(2, 3)
+    out = offload.checkpoint(checkpoint_fn, lambda h, scale: h * scale, hidden, 2.0)
+    assert seen["device"] == "meta"
+    assert torch.equal(out, hidden * 2.0)           # the layer gets its own arguments, the anchor is not one
+
+
 @pytest.mark.parametrize("max_grad_norm", [1.0, None])
 def test_optimizer_offload_trains_exactly_like_the_device_optimizer(tiny_config, tmp_path, max_grad_norm):
     from mudpuppy.backends.torch.optimizers import HostOffloadOptimizer

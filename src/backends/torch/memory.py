@@ -135,15 +135,23 @@ class ActivationOffload:
         return len(layers)
 
     def checkpoint(self, checkpoint_fn, function, *args, **kwargs):
-        """`checkpoint_fn(function, *args)` with the floating tensor arguments held in host memory."""
+        """`checkpoint_fn(function, *args)` with the floating tensor arguments held in host memory.
+
+        torch.utils.checkpoint saves (and restores for the recompute) the RNG state and the autocast
+        settings of the devices its tensor arguments are on. With every argument on the host it would
+        save the CPU's alone: on a GPU the recompute would draw other dropout masks (wrong gradients)
+        and run outside the forward's autocast. An empty tensor on the compute device, passed along and
+        ignored, keeps that device's state in the checkpoint.
+        """
         moved = [ToHost.apply(a, self.host, self.pin) if _offloadable(a, self.device) else a for a in args]
         on_host = [m is not a for m, a in zip(moved, args)]
+        anchor = torch.empty(0, device=self.device)
 
-        def run(*held):
+        def run(_anchor, *held):
             back = [ToDevice.apply(h, self.device) if host else h for h, host in zip(held, on_host)]
             return function(*back)
 
-        return checkpoint_fn(run, *moved, **kwargs)
+        return checkpoint_fn(run, anchor, *moved, **kwargs)
 
 
 def _offloadable(value, device: torch.device) -> bool:
