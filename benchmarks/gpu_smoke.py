@@ -2,16 +2,20 @@
 
     python benchmarks/gpu_smoke.py                       # 30 steps each on the first usable GPU
     python benchmarks/gpu_smoke.py --steps 60 --device 1 --json smoke.json
-    python benchmarks/gpu_smoke.py --qlora               # also 4-bit base weights (mudpuppy's Linear4bit;
+    python benchmarks/gpu_smoke.py --qlora               # also QLoRA (mudpuppy's adapter.type qlora, int4;
                                                          # TRL's side needs bitsandbytes)
 
 Both sides train SmolLM2-135M-Instruct (the embedded `smollm2-135m-instruct`
 alias) with LoRA r=16 on every linear layer, on configs/data/smart_home_train.jsonl,
 batch 8, at the precision mudpuppy picks for the GPU (bf16, or fp16 with loss
-scaling). Throughput counts non-padding tokens per second over the steps after
-the warm-up ones; peak memory is torch.cuda.max_memory_allocated. Loss masks
-differ: mudpuppy trains on the assistant turns only, TRL's default on every
-token, so losses are shown but not compared.
+scaling). Like for like: TRL's base is loaded in that same 16-bit dtype (the
+dtype mudpuppy holds a frozen base in on a GPU), both sides use gradient
+checkpointing, and `--qlora` runs mudpuppy's real `adapter.type: qlora` load
+path against TRL with bitsandbytes' 4-bit NF4. Throughput counts non-padding
+tokens per second over the steps after the warm-up ones; peak memory is
+torch.cuda.max_memory_allocated. Loss masks differ: mudpuppy trains on the
+assistant turns only, TRL's default on every token, so losses are shown but not
+compared.
 
 Not a test: without a CUDA or ROCm GPU it says so and exits with code 2.
 """
@@ -54,18 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8, help="examples per step (default 8)")
     parser.add_argument("--seq-len", type=int, default=256, help="longest sequence in tokens (default 256)")
     parser.add_argument("--device", type=int, default=None, help="torch GPU index (default: first usable)")
-    if qlora_supported():
-        parser.add_argument("--qlora", action="store_true", help="also run with 4-bit quantized base weights")
+    parser.add_argument("--qlora", action="store_true", help="also run QLoRA (4-bit base weights)")
     parser.add_argument("--json", type=Path, default=None, help="write the measurements here as JSON")
     args = parser.parse_args(argv)
     if args.warmup >= args.steps:
         parser.error("--warmup must be below --steps, or nothing is timed")
     return args
-
-
-def qlora_supported() -> bool:
-    """mudpuppy's own 4-bit layers; the flag does nothing where they are absent."""
-    return importlib.util.find_spec("mudpuppy.backends.torch.quantize") is not None
 
 
 # ------------------------------------------------------------------- the GPU
@@ -104,33 +102,20 @@ def tokens_per_second(steps: list[tuple[int, float]], warmup: int) -> float:
 
 # ------------------------------------------------------------------ mudpuppy
 
-def mudpuppy_config(args, backend_name: str, out_dir: Path) -> dict:
+def mudpuppy_config(args, backend_name: str, out_dir: Path, qlora: bool) -> dict:
+    adapter = {"type": "qlora", "quant_backend": "int4"} if qlora else {"type": "lora"}
     return {
         "model": {"base_model": MODEL},
         "backend": backend_name,
         "method": "sft",
-        "adapter": {"type": "lora", **LORA, "target_modules": "all-linear"},
+        "adapter": {**adapter, **LORA, "target_modules": "all-linear"},
         "data": {"datasets": [{"path": str(DATA)}], "sequence_len": args.seq_len},
         "training": {"max_steps": args.steps, "micro_batch_size": args.batch, "learning_rate": 1e-3,
-                     "lr_scheduler": "constant", "precision": "auto", "seed": 42},
+                     "lr_scheduler": "constant", "precision": "auto", "seed": 42, "gradient_checkpointing": True},
         "eval": {"before_training": False, "after_training": False},
         "output_dir": str(out_dir),
         "logging": {"progress_bar": False, "log_every": 1},
     }
-
-
-def quantize_on_load(backend) -> None:
-    """Quantize the base model right after loading, before LoRA attaches (what QLoRA means)."""
-    from mudpuppy.backends.torch.quantize import quantize_model
-
-    load = backend.load_model
-
-    def load_model(model_cfg, precision="auto"):
-        handle = load(model_cfg, precision)
-        quantize_model(handle.model)
-        return handle
-
-    backend.load_model = load_model
 
 
 def read_step_times(out_dir: Path) -> list[tuple[int, float]]:
@@ -145,9 +130,7 @@ def run_mudpuppy(args, backend, qlora: bool) -> Measurement:
     name = "mudpuppy " + ("qlora" if qlora else "lora")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        cfg = mudpuppy.load_config(mudpuppy_config(args, backend.name, out))
-        if qlora:
-            quantize_on_load(backend)
+        cfg = mudpuppy.load_config(mudpuppy_config(args, backend.name, out, qlora))
         reset_gpu_memory(backend.plan.device)
         result = run(cfg, backend, echo=lambda _line: None)
         steps = read_step_times(out)
@@ -176,15 +159,17 @@ class StepClock(TrainerCallback):
 
 
 def trl_model(model_dir: str, precision: str, qlora: bool):
+    """The base in the 16-bit dtype mudpuppy computes in (its LoRA weights stay fp32, PEFT's default)."""
     from transformers import AutoModelForCausalLM
 
+    compute = torch.bfloat16 if precision == "bf16" else torch.float16
     if not qlora:
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute, attn_implementation="sdpa")
     from transformers import BitsAndBytesConfig
 
-    compute = torch.bfloat16 if precision == "bf16" else torch.float16
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
-    return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, dtype=compute,
+                                                attn_implementation="sdpa")
 
 
 def run_trl(args, device: torch.device, precision: str, qlora: bool) -> Measurement:
@@ -207,7 +192,7 @@ def run_trl(args, device: torch.device, precision: str, qlora: bool) -> Measurem
             output_dir=tmp, max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=1e-3,
             lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=42,
             bf16=precision == "bf16", fp16=precision == "fp16", max_length=args.seq_len,
-            gradient_checkpointing=False, include_num_input_tokens_seen="non_padding", disable_tqdm=True,
+            gradient_checkpointing=True, include_num_input_tokens_seen="non_padding", disable_tqdm=True,
         )
         lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
                           target_modules="all-linear", task_type="CAUSAL_LM")

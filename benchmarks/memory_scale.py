@@ -276,10 +276,13 @@ def child_mudpuppy(config: Path, sets: list[str], result: Path) -> None:
 
 def native_bf16(gpu: bool) -> bool:
     """Whether this device computes bf16 natively (decided in the parent: the children import only what they run)."""
-    import torch
-
     if gpu:
-        return torch.cuda.is_bf16_supported()
+        # mudpuppy's own decision (the GPU's architecture), not torch.cuda.is_bf16_supported(), which ROCm
+        # answers True on every card, emulated bf16 included: both sides then train at the same precision.
+        from mudpuppy import create_backend
+        from mudpuppy.backends.torch.devices import torch_build
+
+        return create_backend(torch_build()).plan.precision == "bf16"
     from mudpuppy.backends.torch.cpu import cpu_has_fast_bf16
 
     return cpu_has_fast_bf16()

