@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..config import AdapterConfig, ModelConfig, TrainingConfig
+    from pathlib import Path
+
+    from ..config import AdapterConfig, GptqConfig, ModelConfig, QatConfig, TrainingConfig
     from ..data.batching import Batch
 
 
@@ -192,6 +194,63 @@ class Decoder(Protocol):
     def close(self) -> None: ...
 
 
+class GptqPlan(Protocol):
+    """A backend's GPTQ at one config's `gptq` settings (`BackendProtocol.plan_gptq`), for `method: gptq`
+    (training/gptq.py): check the model, measure the round-to-nearest baseline, quantize and save."""
+
+    description: str     # what will run, for the log: bits, groups, grid, and whose GPTQ
+    label: str           # the quantized model's name in the held-out comparison ("GPTQ")
+
+    def check(self, handle: ModelHandle) -> None:
+        """Refuse what the loaded model cannot take (module names, layer shapes), all named at once, before
+        anything is written."""
+
+    def round_to_nearest(self, handle: ModelHandle) -> None:
+        """Replace the weights GPTQ would quantize by round-to-nearest on the same grid, in place: the
+        baseline GPTQ is measured against. The handle is fit for evaluation only afterwards."""
+
+    def quantize(self, handle: ModelHandle, model_cfg: "ModelConfig", examples: list["np.ndarray"], out: "Path",
+                 echo: Callable[[str], Any]) -> dict[str, Any]:
+        """GPTQ of the model `handle` was loaded from (`model_cfg`), from its weights as loaded (read again
+        where `round_to_nearest` changed them), calibrated on `examples` (token ids, no padding entering a
+        Hessian); saved in `out` with the handle's tokenizer. The handle's model is released. Returns this
+        backend's own keys of run_summary.json (its format, its report)."""
+
+
+class PreparedQat(Protocol):
+    """The layers `QatPlan.prepare` made fake-quantize."""
+
+    def names(self) -> list[str]: ...
+
+    def describe(self) -> str:
+        """The log line: the grid and how many layers fake-quantize, by how."""
+
+
+class QatPlan(Protocol):
+    """A backend's quantization-aware training at one config's `qat` settings (`BackendProtocol.plan_qat`),
+    for `method: qat` (training/qat.py): a prepare/convert pair around SFT's loop."""
+
+    description: str     # the grid, for the log: "int4 weights (groups of 32, symmetric)"
+
+    def check_adapter(self, adapter_cfg: "AdapterConfig") -> None:
+        """Refuse an adapter QAT cannot train through (before anything loads)."""
+
+    def check_model(self, model_cfg: "ModelConfig") -> None:
+        """Refuse settings the model's layers cannot take (a group size that does not divide an input
+        width), from its config alone, before its weights load."""
+
+    def prepare(self, handle: ModelHandle) -> PreparedQat:
+        """Every linear layer but the output head fake-quantizes, in place (after attach_adapter, before
+        create_trainer); fake quantization starts off."""
+
+    def set_fake_quant(self, handle: ModelHandle, enabled: bool) -> None:
+        """Switch every fake quantizer `prepare` added on or off."""
+
+    def convert(self, handle: ModelHandle, prepared: PreparedQat, out: "Path") -> int:
+        """Replace the handle's model by the converted one (integer codes and scales, an adapter merged in
+        first) and save it in `out` with the tokenizer; returns the bytes of its tensors."""
+
+
 @runtime_checkable
 class BackendProtocol(Protocol):
     name: str
@@ -308,3 +367,12 @@ class BackendProtocol(Protocol):
         eval mode, no graph."""
 
     def seed(self, seed: int) -> None: ...
+
+    # -- quantization recipes
+    def plan_gptq(self, gptq_cfg: "GptqConfig") -> GptqPlan:
+        """This backend's GPTQ at these settings. Refuses, before anything loads, every setting it cannot
+        honour (one MudpuppyError naming them all and the backend that can), or GPTQ altogether."""
+
+    def plan_qat(self, qat_cfg: "QatConfig") -> QatPlan:
+        """This backend's quantization-aware training at these settings; a backend without fake
+        quantization refuses (MudpuppyError naming the backends that have it)."""

@@ -1,5 +1,5 @@
-"""Reading a converted QAT model (`quant_method: mudpuppy_qat`, quantization/qat.py's layout) back to
-plain float32 weights, in numpy.
+"""Reading a converted QAT model (`quant_method: mudpuppy_qat`, backends/torch/qat_io.py's layout) back
+to plain float32 weights, in numpy.
 
 Per quantized linear layer NAME (symmetric groups, no zero points):
 

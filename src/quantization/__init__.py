@@ -1,10 +1,13 @@
-"""Quantization: the seed's portable kernels, QAT and GPTQ.
+"""Quantization: the seed's portable kernels, QAT and GPTQ, as a public import path.
 
     from mudpuppy.quantization import quantize_per_tensor, dequantize, qgemm, fbgemm, flash_attention
 
-Names resolve on first use, so importing this package costs nothing until a kernel is
-needed (the kernels import torch). The kernels and their numerics: `kernels.py` and
-docs/qat.md; quantization-aware training: `qat.py`; GPTQ: `gptq.py`.
+The torch code lives under backends/torch/ (kernels.py, quantized_linear.py, qat_layers.py,
+qat_io.py, gptq_*.py), where DESIGN.md puts every runtime import; this package re-exports it.
+Names resolve on first use, so importing this package imports no torch until a kernel is needed.
+The kernels and their numerics: docs/qat.md; quantization-aware training: `mudpuppy.quantization.qat`;
+GPTQ: `mudpuppy.quantization.gptq` and `.gptq_format`. The recipes are training/qat.py and
+training/gptq.py, through the backend protocol's `plan_qat` and `plan_gptq`.
 """
 
 from __future__ import annotations

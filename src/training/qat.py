@@ -5,15 +5,16 @@ Supports: everything SFT's loop does (it is SFT's loop: data, schedule, accumula
 resume, early stopping, held-out checks), full fine-tuning and LoRA; int4 or int8 weights in
 symmetric groups, optionally int8 dynamic per-token activations; `fake_quant_after_n_steps`;
 the torch backends (cpu, cuda, rocm), in one process. Not supported: DoRA, QLoRA, adapter
-dropout (quantization/qat.py says why), the mlx backend, distributed runs.
+dropout (backends/torch/qat_layers.py says why), the mlx backend (its `plan_qat` refuses),
+distributed runs. What QAT is on a backend comes from `backend.plan_qat` (protocol.QatPlan).
 
     setup           data; the group size checked against the model's layers; model, adapter,
-                    torchao fake quantizers (quantization/qat.py), switched off
+                    torchao fake quantizers (backends/torch/qat_layers.py), switched off
     PTQ baseline    the same fine-tune without fake quantization, then round-to-nearest at the
                     same bits and group size, measured on the held-out data (see below)
     loop            SFT's train_loop; fake quantization switched on from step
                     fake_quant_after_n_steps (0: from the start)
-    save            output_dir: the converted model (codes + scales, quantization/qat.py's
+    save            output_dir: the converted model (codes + scales, backends/torch/qat_io.py's
                     layout), loadable by mudpuppy; output_dir/trained: the fine-tuned float
                     weights (the LoRA adapter, or the whole model); merged/ with merge: true
     report          held-out loss (and exact match) of the float fine-tune, PTQ, QAT with fake
@@ -56,22 +57,16 @@ TRAINED = "trained"                   # the float fine-tune: adapter or whole mo
 
 
 def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
-    from ..backends.models import resolve_model
     from ..distributed import current
-    from ..quantization import qat
 
     started = time.perf_counter()
-    if backend.name == "mlx":
-        raise MudpuppyError("method qat: the mlx backend has no fake quantization (torchao's QAT is torch only); "
-                            "run it with --backend cpu (or cuda / rocm)")
+    qat = backend.plan_qat(cfg.qat)                       # a backend without fake quantization refuses here
     if current().distributed:
         raise MudpuppyError("method qat runs in one process for now (start it without --nproc / torchrun)")
-    spec = qat.QatSpec.from_config(cfg.qat)
     qat.check_adapter(cfg.adapter)
     # -- setup: data and group-size problems surface before any model loads or anything is written
     loaded = load_data(cfg, "sft")
-    resolved = resolve_model(cfg.model.base_model, cfg.model.revision, cfg.model.trust_remote_code)
-    qat.check_group_size(resolved.path, spec, cfg.model.trust_remote_code)
+    qat.check_model(cfg.model)
     claim = outputs.claim_output_dir(cfg, overwrite)          # locked; a run --overwrite replaces stays for now
     out, resume_from = claim.out, claim.resume_from
     backend.seed(cfg.training.seed)
@@ -90,7 +85,7 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     info = backend.attach_adapter(handle, cfg.adapter)
     echo(f"model: {handle.describe()}")
     echo(f"adapter: {info.describe()}")
-    layers = qat.prepare_qat(handle.model, spec)
+    layers = qat.prepare(handle)
     start_fq = cfg.qat.fake_quant_after_n_steps or 0
     echo(f"qat: {layers.describe()}; fake quantization from step {start_fq + 1}")
     trainer = backend.create_trainer(handle, cfg.training)
@@ -106,14 +101,14 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         echo(f"resumed from {resume_from} (step {state.step} of {steps})")
         baseline = _read_baseline(out) if measured else None
     elif measured:
-        state, baseline = _ptq_baseline(cfg, backend, handle, trainer, batcher, state, steps, min(start_fq, steps),
-                                         data, out, echo, held_out)
+        state, baseline = _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps,
+                                         min(start_fq, steps), data, out, echo, held_out)
     save = checkpoint_writer(cfg, backend, handle, trainer, batcher, out)
-    switching = FakeQuantSwitch(trainer, handle.model, state, start_fq)
+    switching = FakeQuantSwitch(trainer, qat, handle, state, start_fq)
     stopped_early = train_loop(cfg, switching, batcher, state, steps, save, out, echo, evaluate=held_out)
 
     # -- save the float fine-tune, measure it fake-quantized, convert, save and measure the result
-    qat.set_fake_quant(handle.model, True)
+    qat.set_fake_quant(handle, True)
     trained = out / TRAINED
     _save_trained(cfg, backend, handle, trained)
     result = RunResult(out, state.step, state.losses, state.lrs, skipped_steps=state.skipped,
@@ -121,20 +116,19 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     result.before = EvalResult(**state.before) if state.before else None
     result.tokens_per_second = state.tokens_seen / max(state.train_time, 1e-9)
     fake = evaluate(backend, handle, data, cfg.eval) if measured else None
-    handle.model = qat.convert_qat(handle.model, layers)
-    size = qat.save_quantized(handle.model, handle.tokenizer, out)
-    echo(f"converted model ({spec.describe()}, {size / 2**20:.1f} MiB) saved to {out}; "
+    size = qat.convert(handle, layers, out)
+    echo(f"converted model ({qat.description}, {size / 2**20:.1f} MiB) saved to {out}; "
          f"the fine-tuned float weights to {trained}")
     if measured:
         result.after = evaluate(backend, handle, data, cfg.eval)
-        _report(echo, spec, baseline, fake, result.after)
+        _report(echo, qat.description, baseline, fake, result.after)
     if cfg.merge and cfg.adapter.type != "none":
         merged = merge_run(cfg, backend, str(trained), str(out / "merged"), cfg.merge_dtype, overwrite=True)
         echo(f"merged float model ({cfg.merge_dtype}) saved to {merged}")
     result.seconds = time.perf_counter() - started
     outputs.write_summary(out, run_summary(
         cfg, result, info, rep.train_examples, rep.val_examples,
-        qat=_qat_summary(cfg, spec, layers, baseline, fake, result.after, size, start_fq, steps, measured)))
+        qat=_qat_summary(cfg, layers, baseline, fake, result.after, size, start_fq, steps, measured)))
     return result
 
 
@@ -142,13 +136,12 @@ class FakeQuantSwitch:
     """The trainer, with fake quantization switched on before each step from `start` on (off before it,
     and throughout when `enabled` is False: the PTQ baseline's fine-tune)."""
 
-    def __init__(self, trainer, model, state: LoopState, start: int, enabled: bool = True):
-        self.trainer, self.model, self.state, self.start, self.enabled = trainer, model, state, start, enabled
+    def __init__(self, trainer, qat, handle, state: LoopState, start: int, enabled: bool = True):
+        self.trainer, self.qat, self.handle = trainer, qat, handle
+        self.state, self.start, self.enabled = state, start, enabled
 
     def step(self, micro_batches, lr, objective=None):
-        from ..quantization.qat import set_fake_quant
-
-        set_fake_quant(self.model, self.enabled and self.state.step >= self.start)
+        self.qat.set_fake_quant(self.handle, self.enabled and self.state.step >= self.start)
         return self.trainer.step(micro_batches, lr, objective)
 
     def __getattr__(self, name):
@@ -175,11 +168,9 @@ class PausingBatcher:
         return getattr(self.batcher, name)
 
 
-def _ptq_baseline(cfg, backend, handle, trainer, batcher, state, steps, branch_at, data, out, echo, held_out):
+def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, branch_at, data, out, echo, held_out):
     """Train to `branch_at` (shared), keep the state, fine-tune on without fake quantization, measure it
     in float and round-to-nearest, then go back to the kept state. Returns (state at the branch, numbers)."""
-    from ..quantization.qat import set_fake_quant
-
     quiet = cfg.model_copy(update={"training": cfg.training.model_copy(update={"save_steps": None})})
 
     def no_checkpoint(_state):
@@ -189,7 +180,7 @@ def _ptq_baseline(cfg, backend, handle, trainer, batcher, state, steps, branch_a
         if branch_at:
             echo(f"steps 1-{branch_at}: shared by QAT and its PTQ baseline (fake quantization starts after them)")
             try:
-                train_loop(quiet, FakeQuantSwitch(trainer, handle.model, state, 0, enabled=False),
+                train_loop(quiet, FakeQuantSwitch(trainer, qat, handle, state, 0, enabled=False),
                            PausingBatcher(batcher, state, branch_at), state, steps, no_checkpoint, out, echo,
                            evaluate=held_out)
             except _Pause:
@@ -199,16 +190,16 @@ def _ptq_baseline(cfg, backend, handle, trainer, batcher, state, steps, branch_a
         backend.save_training_state(handle, trainer, str(point))
         kept = copy.deepcopy(state.as_dict(batcher))     # phase two appends to the same loss lists
         echo(f"PTQ baseline: fine-tuning steps {state.step + 1}-{steps} without fake quantization")
-        stopped = train_loop(quiet, FakeQuantSwitch(trainer, handle.model, state, 0, enabled=False), batcher, state,
+        stopped = train_loop(quiet, FakeQuantSwitch(trainer, qat, handle, state, 0, enabled=False), batcher, state,
                              steps, no_checkpoint, out, echo, evaluate=held_out)
     except Interrupted:
         raise Interrupted("interrupted during the PTQ baseline, before QAT's own steps; no checkpoint is written "
                           "until they start: run again with --overwrite") from None
-    set_fake_quant(handle.model, False)
+    qat.set_fake_quant(handle, False)
     plain = evaluate(backend, handle, data, cfg.eval)
-    set_fake_quant(handle.model, True)
+    qat.set_fake_quant(handle, True)
     ptq = evaluate(backend, handle, data, cfg.eval)
-    set_fake_quant(handle.model, False)
+    qat.set_fake_quant(handle, False)
     baseline = {"steps": state.step, "stopped_early": stopped,
                 "final_train_loss": state.losses[-1] if state.losses else None,
                 "fine_tuned": plain.as_dict(), "ptq": ptq.as_dict()}
@@ -235,14 +226,14 @@ def _save_trained(cfg, backend, handle, path) -> None:
         save_tokenizer(handle.tokenizer, path)
 
 
-def _report(echo, spec, baseline, fake, converted) -> None:
+def _report(echo, grid: str, baseline, fake, converted) -> None:
     def loss(ev):
         value = ev.get("loss") if isinstance(ev, dict) else getattr(ev, "loss", None)
         return "n/a" if value is None else f"{value:.4f}"
 
     plain = baseline["fine_tuned"] if baseline else None
     ptq = baseline["ptq"] if baseline else None
-    echo(f"held-out loss ({spec.describe()}): fine-tuned float {loss(plain) if plain else 'not measured'}, "
+    echo(f"held-out loss ({grid}): fine-tuned float {loss(plain) if plain else 'not measured'}, "
          f"PTQ round-to-nearest {loss(ptq) if ptq else 'not measured'}, QAT fake-quantized {loss(fake)}, "
          f"QAT converted {loss(converted)}")
     if baseline is None:
@@ -250,13 +241,13 @@ def _report(echo, spec, baseline, fake, converted) -> None:
     echo(f"after conversion: {_describe(converted)}")
 
 
-def _qat_summary(cfg, spec, layers, baseline, fake, converted, size, start_fq, steps, measured) -> dict:
+def _qat_summary(cfg, layers, baseline, fake, converted, size, start_fq, steps, measured) -> dict:
     def numbers(ev):
         ev = ev.as_dict() if hasattr(ev, "as_dict") else ev
         return None if ev is None else {k: v for k, v in ev.items() if k != "examples"}
 
     return {
-        "weight_bits": spec.weight_bits, "group_size": spec.group_size, "activations": spec.activations,
+        "weight_bits": cfg.qat.weight_bits, "group_size": cfg.qat.group_size, "activations": cfg.qat.activations,
         "fake_quant_after_n_steps": start_fq, "steps_with_fake_quant": max(0, steps - start_fq),
         "quantized_layers": len(layers.names()), "converted_bytes": size,
         "ptq_baseline_run": None if baseline is None else {

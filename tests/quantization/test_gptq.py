@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from mudpuppy.cli import main
+from mudpuppy.backends.torch import gptq_layers, gptq_sweep
 from mudpuppy.errors import MudpuppyError
 from mudpuppy.quantization import gptq as G
 from mudpuppy.quantization.gptq_format import pack_linear, read_quantization_config, unpack_codes, unpack_zeros
@@ -285,7 +286,7 @@ def test_model_layers_beat_round_to_nearest_and_fallback_is_reported(model64, mo
         calls.append(h.shape[0])
         return G.Factor(None, damp, 1) if len(calls) == 1 else real(h, damp, inc)
 
-    monkeypatch.setattr(G, "inverse_hessian_factor", fail_once)
+    monkeypatch.setattr(gptq_sweep, "inverse_hessian_factor", fail_once)     # where the sweep looks it up
     quantized = G.load_host_model(model64)
     report = G.quantize_model(quantized, chat_ids(model64, "smart_home_train.jsonl", 16), SPEC, "cpu",
                               echo=lambda *_: None)
@@ -533,7 +534,7 @@ def test_padded_calibration_batches_give_the_per_example_result(model64, monkeyp
     assert len(G.calibration_batches(examples)) < len(examples)            # really batched, with padding
     batched = G.load_host_model(model64)
     report_batched = G.quantize_model(batched, examples, SPEC, "cpu", echo=lambda *_: None)
-    monkeypatch.setattr(G, "calibration_batches", lambda ex: [[i] for i in range(len(ex))])
+    monkeypatch.setattr(gptq_layers, "calibration_batches", lambda ex: [[i] for i in range(len(ex))])
     alone = G.load_host_model(model64)
     report_alone = G.quantize_model(alone, examples, SPEC, "cpu", echo=lambda *_: None)
     for a, b in zip(report_batched.sets, report_alone.sets):

@@ -24,6 +24,7 @@ from ..adapters import choose_target_modules, choose_target_parameters
 from ..protocol import AdapterInfo, Sampling
 from . import adapter_io, forward, generation, logprobs
 from .forward import eval_mode
+from .gptq import MlxGptq
 from .layers import (
     adapter_layers,
     adapters_disabled,
@@ -190,6 +191,15 @@ class MlxBackend:
         random.seed(seed)
         np.random.seed(seed % 2**32)
         mx.random.seed(seed)
+
+    # ------------------------------------------------------ quantization recipes
+    def plan_gptq(self, gptq_cfg) -> MlxGptq:
+        """mlx-lm's GPTQ (gptq.py), refused at every setting it cannot honour."""
+        return MlxGptq(self, gptq_cfg)
+
+    def plan_qat(self, qat_cfg):
+        raise MudpuppyError("method qat: the mlx backend has no fake quantization (torchao's QAT is torch only); "
+                            "run it with --backend cpu (or cuda / rocm)")
 
     def create_trainer(self, handle: MlxModel, training_cfg) -> MlxTrainer:
         return MlxTrainer(handle, training_cfg, self.ranks)

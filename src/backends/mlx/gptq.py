@@ -1,4 +1,5 @@
-"""`method: gptq` on MLX: delegated to mlx-lm's own GPTQ (`mlx_lm.quant.gptq.gptq_quantize`).
+"""`method: gptq` on MLX: delegated to mlx-lm's own GPTQ (`mlx_lm.quant.gptq.gptq_quantize`), behind
+`BackendProtocol.plan_gptq`; the recipe around it (data, baselines, held-out check) is training/gptq.py.
 
 What that is, and so what this backend accepts: MLX's affine grid (a scale and a float offset per
 group: asymmetric), 2, 4 or 8 bits, groups of 32, 64 or 128, damping fixed at 1% with no retry,
@@ -21,7 +22,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ...errors import DataError, MudpuppyError
+from ...errors import MudpuppyError
 
 GROUPS = (32, 64, 128)
 BITS = (2, 4, 8)
@@ -56,7 +57,7 @@ class OneAtATime:
     """Calibration examples as mlx-lm's loop slices them (data[s : s + batch]), one unpadded row each."""
 
     def __init__(self, examples):
-        self.examples = [mx.array(e.input_ids.astype("int32"))[None] for e in examples]
+        self.examples = [mx.array(e.astype("int32"))[None] for e in examples]
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -66,81 +67,64 @@ class OneAtATime:
         return row
 
 
-def run_gptq_mlx(cfg, backend, overwrite: bool, echo):
+class MlxGptq:
+    """protocol.GptqPlan for MLX: mlx-lm's GPTQ, refused at settings it cannot honour (`check_settings`)."""
+
+    label = "GPTQ (mlx-lm)"
+
+    def __init__(self, backend, gptq_cfg):
+        check_settings(gptq_cfg)
+        self.backend, self.cfg = backend, gptq_cfg
+        self.rounded = False          # round_to_nearest changed the handle's weights: quantize reads them again
+        self.description = (f"mlx-lm's GPTQ (mlx_lm.quant.gptq), {gptq_cfg.bits}-bit affine, "
+                            f"group {gptq_cfg.group_size}")
+
+    def check(self, handle) -> None:
+        """Nothing the model could refuse that `check_settings` has not: mlx-lm quantizes every linear layer."""
+
+    def round_to_nearest(self, handle) -> None:
+        """MLX's own affine quantization of every linear layer, in place, at GPTQ's bits and group size."""
+        nn.quantize(handle.model, group_size=self.cfg.group_size, bits=self.cfg.bits, mode="affine",
+                    class_predicate=lambda _p, m: isinstance(m, _linear_classes()))
+        self.rounded = True
+
+    def quantize(self, handle, model_cfg, examples, out, echo) -> dict:
+        """mlx-lm's GPTQ of the model as loaded (read again after round_to_nearest), saved by mlx-lm's
+        `save` with the handle's tokenizer; the embeddings stay in full precision."""
+        from mlx_lm.quant.gptq import gptq_quantize
+        from mlx_lm.utils import save
+
+        g = self.cfg
+        model = self._original_model(handle, model_cfg)
+        keep = [(k, m) for k, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+                if hasattr(m, "to_quantized") and not isinstance(m, _linear_classes())]    # embeddings
+        t0 = time.perf_counter()
+        model, quantization = gptq_quantize(model, OneAtATime(examples), g.bits, g.group_size, g.bits, g.group_size,
+                                            batch_size=1)
+        seconds = time.perf_counter() - t0
+        if keep:
+            model.update_modules(tree_unflatten(keep))
+            for k, _ in keep:
+                quantization.pop(k, None)
+        config = {**handle.config, "quantization": quantization}
+        save(out, handle.source, model, handle.tokenizer, config, donate_model=False)
+        echo(f"saved the mlx-lm GPTQ model to {out} ({seconds:.0f} s)")
+        return {"backend": "mlx", "implementation": "mlx_lm.quant.gptq",
+                "quantization": {"bits": g.bits, "group_size": g.group_size, "mode": "affine"},
+                "calibration_examples": len(examples), "quantize_seconds": round(seconds, 1)}
+
+    def _original_model(self, handle, model_cfg):
+        """The handle's model as loaded, taken from it; read again where round_to_nearest changed it (the
+        rounded copy goes first)."""
+        model, handle.model = handle.model, None
+        if not self.rounded:
+            return model
+        del model
+        return self.backend.load_model(model_cfg, handle.precision).model
+
+
+def _linear_classes() -> tuple:
+    """The layers mlx-lm's GPTQ quantizes: linear layers and mixture-of-experts stacks."""
     from mlx_lm.models.switch_layers import SwitchLinear
-    from mlx_lm.quant.gptq import gptq_quantize
-    from mlx_lm.utils import save
 
-    from ...data import load_data, prepare_sft_data
-    from ...data.templates import apply_chat_template_choice
-    from ...evaluation import evaluate
-    from ...training import outputs
-    from ...training.gptq import _describe, _table, pick_calibration
-    from ...training.loop import RunResult
-
-    started = time.perf_counter()
-    g = cfg.gptq
-    check_settings(g)
-    loaded = load_data(cfg, "sft")
-    backend.seed(cfg.training.seed)
-    handle = backend.load_model(cfg.model, cfg.training.precision)
-    data = prepare_sft_data(cfg, handle.tokenizer, loaded)
-    calibration = pick_calibration(data.train, g.calibration_samples, cfg.training.seed)
-    if not calibration:
-        raise DataError(loaded.train[0].name if loaded.train else "data.datasets", None,
-                        "no training examples left to calibrate GPTQ on")
-    out, _ = outputs.start_output_dir(cfg, overwrite)
-    echo(f"gptq on mlx: mlx-lm's GPTQ (mlx_lm.quant.gptq), {g.bits}-bit affine, group {g.group_size}; calibrating "
-         f"on {len(calibration)} of {len(data.train)} training examples; {len(data.val)} held-out examples")
-    measure = bool(data.val) and (cfg.eval.loss or cfg.eval.exact_match)
-    original = rtn = None
-    linear = (nn.Linear, SwitchLinear)
-    if measure and cfg.eval.before_training:
-        original = evaluate(backend, handle, data, cfg.eval)
-        echo(f"original:         {_describe(original)}")
-        nn.quantize(handle.model, group_size=g.group_size, bits=g.bits, mode="affine",
-                    class_predicate=lambda _p, m: isinstance(m, linear))
-        rtn = evaluate(backend, handle, data, cfg.eval)
-        echo(f"round-to-nearest: {_describe(rtn)}")
-        handle = backend.load_model(cfg.model, cfg.training.precision)     # the original weights again
-        apply_chat_template_choice(handle.tokenizer, cfg.data.chat_template)   # saved with the run's template
-    model = handle.model
-    keep = [(k, m) for k, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
-            if hasattr(m, "to_quantized") and not isinstance(m, linear)]     # embeddings: not quantized
-    t0 = time.perf_counter()
-    model, quantization = gptq_quantize(model, OneAtATime(calibration), g.bits, g.group_size, g.bits, g.group_size,
-                                        batch_size=1)
-    seconds = time.perf_counter() - t0
-    if keep:
-        model.update_modules(tree_unflatten(keep))
-        for k, _ in keep:
-            quantization.pop(k, None)
-    handle.model = model
-    config = {**handle.config, "quantization": quantization}
-    save(out, handle.source, model, handle.tokenizer, config, donate_model=False)
-    echo(f"saved the mlx-lm GPTQ model to {out} ({seconds:.0f} s)")
-    result = RunResult(out, 0)
-    result.before = original
-    if measure:
-        reread = backend.load_model(cfg.model.model_copy(update={"base_model": str(out), "tokenizer": None,
-                                                                 "revision": None}), cfg.training.precision)
-        result.after = evaluate(backend, reread, data, cfg.eval)
-        result.model = reread
-        echo(f"GPTQ (mlx-lm):    {_describe(result.after)}")
-        if original is not None and rtn is not None and original.loss is not None:
-            echo(_table(original, rtn, result.after))
-    result.seconds = time.perf_counter() - started
-    outputs.write_summary(out, {
-        "status": "finished", "method": "gptq", "backend": "mlx", "implementation": "mlx_lm.quant.gptq",
-        "adapter": "none", "base_model": cfg.model.base_model, "steps": 0,
-        "train_examples": len(data.train), "val_examples": len(data.val),
-        "quantization": {"bits": g.bits, "group_size": g.group_size, "mode": "affine"},
-        "heldout_loss": {"original": original.loss if original else None, "round_to_nearest": rtn.loss if rtn else None,
-                         "gptq": result.after.loss if result.after else None},
-        "calibration_examples": len(calibration), "quantize_seconds": round(seconds, 1),
-        "seconds": round(result.seconds, 1),
-        "eval_before": original.as_dict() if original else None,
-        "eval_round_to_nearest": rtn.as_dict() if rtn else None,
-        "eval_after": result.after.as_dict() if result.after else None,
-    })
-    return result
+    return (nn.Linear, SwitchLinear)

@@ -17,7 +17,6 @@ import torch
 
 from ...data.tokenizers import load_text_tokenizer, save_tokenizer
 from ...errors import MudpuppyError
-from ...quantization.qat import is_qat_checkpoint
 from ..adapters import record_base
 from ..models import resolve_model
 from ..provenance import base_record_of_path
@@ -32,9 +31,12 @@ from .attention import attention_kernels, packing_mask
 from .heads import head_inputs
 from .loading import compact_dtype, load_model_weights, quiet_if, storage_dtype
 from .frozen import compute_compact_embeddings
+from .gptq import TorchGptq
 from .lora import lora_inputs_uncast, plain_lora_layers
 from .memory import return_freed_host_memory
 from .ops import TorchOps
+from .qat import TorchQat
+from .qat_io import is_qat_checkpoint
 from .vision import backbone, is_vision_checkpoint, pixel_inputs
 
 def _gathered(method):
@@ -201,9 +203,7 @@ class TorchBackend:
 
     def quantize_base(self, handle: TorchModel, adapter_cfg) -> str:
         """Replace the base model's linear layers by our 4-bit ones (QLoRA); returns a one-line report.
-
-        Deterministic, so a resumed run quantizes again and gets the same base.
-        """
+        Deterministic, so a resumed run quantizes again and gets the same base."""
         from .experts import quantize_experts, summarize_experts
         from .quantize import quantize_model, summarize_quantized
 
@@ -236,11 +236,9 @@ class TorchBackend:
         handle.model.to(self.plan.device)
 
     def merge_and_save(self, handle: TorchModel, path: str, dtype: str = "bfloat16") -> None:
-        """Fold the adapter into the base weights (in place) and save a plain transformers model.
-
-        The handle holds the merged model afterwards; merging a model with no
-        adapter left is a no-op, so merging twice gives the same weights.
-        """
+        """Fold the adapter into the base weights (in place) and save a plain transformers model. The
+        handle holds the merged model afterwards; merging a model with no adapter left is a no-op, so
+        merging twice gives the same weights."""
         from .merge import merge_adapter
 
         handle.model = merge_adapter(handle.model)
@@ -258,6 +256,13 @@ class TorchBackend:
         from .state import load_training_state
 
         load_training_state(self, handle, trainer, path)
+
+    # ------------------------------------------------ quantization recipes (gptq.py, qat.py)
+    def plan_gptq(self, gptq_cfg) -> TorchGptq:
+        return TorchGptq(gptq_cfg, self.device)
+
+    def plan_qat(self, qat_cfg) -> TorchQat:
+        return TorchQat(qat_cfg)
 
     # ----------------------------------------------------------------- compute
     def seed(self, seed: int) -> None:

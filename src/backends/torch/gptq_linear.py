@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ...errors import MudpuppyError
-from ...quantization.gptq_format import (
+from .gptq_format import (
     GptqSettings,
     PackedLinear,
     check_packable,

@@ -36,7 +36,7 @@ from ...errors import MudpuppyError
 from .attention import choose_attention
 from .experts import per_expert_layout
 from .frozen import FrozenLinear
-from ...quantization.qat import is_qat_checkpoint, load_quantized
+from .qat_io import is_qat_checkpoint, load_quantized
 from .gptq_linear import gptq_settings_of, install_gptq_layers
 
 SAFETENSORS_DTYPES = {
