@@ -489,6 +489,41 @@ def test_fp8_conversion_skips_the_output_head(monkeypatch, tiny_model_dir):
     assert all(isinstance(model.get_submodule(n), torch.nn.Linear) for n in picked)
 
 
+@pytest.mark.parametrize("adapter, memory, held", [
+    ("qlora", None, "adapter.type: qlora keeps them as 4-bit codes"),
+    ("lora", {"stream_layers": True}, "memory.stream_layers keeps them in host memory"),
+])
+def test_fp8_with_frozen_base_layers_is_refused_before_the_weights_load(monkeypatch, tiny_model_dir, adapter, memory,
+                                                                        held):
+    from mudpuppy.backends.torch import backend as torch_backend
+    from mudpuppy.config import AdapterConfig, MemoryConfig, ModelConfig
+
+    monkeypatch.setattr(torch_backend, "load_model_weights", lambda *a, **k: pytest.fail("weights loaded"))
+    plan = DevicePlan("cuda", torch.device("cpu"), torch.bfloat16, fp8=True, precision="fp8",
+                      memory=MemoryConfig(**memory) if memory else None)
+    with pytest.raises(MudpuppyError, match=f"training.precision: fp8 .*but {held}; use precision bf16"):
+        TorchBackend(plan).load_model(ModelConfig(base_model=str(tiny_model_dir)), adapter=AdapterConfig(type=adapter))
+
+
+def test_fp8_conversion_leaves_frozen_layers_alone(monkeypatch, tiny_model_dir):
+    """A frozen layer subclasses nn.Linear; torchao would swap it and assign its read-only weight."""
+    from mudpuppy.backends.torch.frozen import StoredLinear
+    from transformers import AutoModelForCausalLM
+
+    picked = []
+    fake = types.ModuleType("torchao.float8")
+    fake.convert_to_float8_training = lambda model, module_filter_fn: picked.extend(
+        name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and module_filter_fn(mod, name))
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.float8", fake)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    attention = model.model.layers[0].self_attn
+    plain = attention.q_proj
+    attention.q_proj = StoredLinear.from_weight(plain.weight.detach(), plain.bias, torch.device("cpu"), None)
+    devices.convert_to_fp8(model)
+    assert "model.layers.0.self_attn.q_proj" not in picked and "model.layers.0.self_attn.k_proj" in picked
+
+
 # ------------------------------------------------------------ load path, steps
 
 def test_rocm_plan_reads_weights_straight_onto_the_planned_gpu(monkeypatch, tiny_model_dir):

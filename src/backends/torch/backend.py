@@ -28,6 +28,7 @@ from .handle import (HEADS, IGNORE_INDEX, LOSS_CHUNK_TOKENS, SCALAR_HEADS, Devic
 from .attach import attach_adapter
 from .trainer import TorchTrainer
 from .attention import attention_kernels, packing_mask
+from .devices import convert_to_fp8, fp8_problem
 from .heads import head_inputs
 from .loading import compact_dtype, load_model_weights, quiet_if, storage_dtype
 from .frozen import compute_compact_embeddings
@@ -98,6 +99,9 @@ class TorchBackend:
             tokenizer = self.load_tokenizer(model_cfg, resolved.path)
         compute = self.compute_dtype(precision)
         kind = adapter.type if adapter is not None else None
+        stream = bool(self.plan.memory and self.plan.memory.stream_layers and adapter is not None)
+        if self.plan.fp8 and fp8_problem(kind, stream):
+            raise MudpuppyError(fp8_problem(kind, stream))
         dtype = storage_dtype(model_cfg.dtype, compute, trains_in_full=kind == "none")
         # A frozen base computed in fp32 (no native 16-bit matmuls) stays in its 16-bit checkpoint dtype.
         compact = compact_dtype(resolved.path) if (model_cfg.dtype == "auto" and kind not in (None, "none")
@@ -119,8 +123,6 @@ class TorchBackend:
             # A sequence score is read at the last token that is not padding; the model finds it by this id.
             model.config.pad_token_id = tokenizer.pad_token_id
         if self.plan.fp8:
-            from .devices import convert_to_fp8
-
             convert_to_fp8(model)
         return TorchModel(model, tokenizer, str(resolved.path), compute, head, report,
                           processor=tokenizer.processor if vision else None,

@@ -371,6 +371,18 @@ def choose_fp8(kind: GpuKind, gpu: Gpu) -> Precision:
     return Precision("fp8", torch.bfloat16, False, "asked for; torchao float8 linear layers, bf16 elsewhere")
 
 
+def fp8_problem(adapter_type: str | None, stream_layers: bool) -> str | None:
+    """Why precision fp8 cannot train this run, or None: fp8 trains the base's plain linear layers with
+    torchao's float8 matmuls, and QLoRA's 4-bit layers and streamed layers are frozen layers it cannot take."""
+    held = ("adapter.type: qlora keeps them as 4-bit codes" if adapter_type == "qlora"
+            else "memory.stream_layers keeps them in host memory" if stream_layers else None)
+    if held is None:
+        return None
+    return (f"training.precision: fp8 runs the base's linear layers as float8 matmuls, but {held}; "
+            "use precision bf16 for this run, or fp8 with adapter lora / full fine-tuning and without "
+            "memory.stream_layers")
+
+
 def convert_to_fp8(model) -> None:
     """Swap the model's linear layers for torchao's float8 training layers.
 
@@ -382,7 +394,9 @@ def convert_to_fp8(model) -> None:
     head = model.get_output_embeddings()
 
     def eligible(module, _name: str) -> bool:
-        return (isinstance(module, torch.nn.Linear) and module is not head
+        # Plain nn.Linear only: a frozen layer (4-bit, streamed, stored compactly; frozen.py) subclasses it,
+        # and torchao's swap would assign its read-only weight. fp8_problem refuses those runs first.
+        return (type(module) is torch.nn.Linear and module is not head
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
     convert_to_float8_training(model, module_filter_fn=eligible)
