@@ -465,3 +465,40 @@ def test_the_scratch_buffer_first_made_under_inference_mode_still_serves_trainin
     thread.start()
     thread.join()
     assert result.get("ok")
+
+
+def test_the_gpu_dequantizer_is_built_and_checked_per_format_and_dtype(monkeypatch):
+    """The GPU path, run on the CPU with torch.compile stood in for: each (format, dtype) gets its own
+    compiled function (its own recompile budget) and its own bit-for-bit check, so a format inductor gets
+    wrong falls back alone; every call runs with autocast off and grad off, whatever the caller's state."""
+    from mudpuppy.backends.torch import compile as torch_compile
+    from mudpuppy.backends.torch import quantize as q
+
+    compiled_codes, states = [], []
+
+    def fake_compile(fn, dynamic):
+        compiled_codes.append(fn.__code__)
+
+        def run(tensors, backend, in_features, dtype):
+            states.append((torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()))
+            weight = fn(tensors, backend, in_features, dtype)
+            return weight + 1 if backend == "mxfp4" else weight       # inductor "gets mxfp4 wrong"
+        return run
+
+    monkeypatch.setattr(q.torch, "compile", fake_compile)
+    monkeypatch.setattr(torch_compile, "kernel_toolchain_missing", lambda device: None)
+    monkeypatch.delenv(q.EAGER_ENV, raising=False)
+    cpu = torch.device("cpu")
+    int4_bf16 = q._build_dequantizer(cpu, "int4", torch.bfloat16)
+    int4_fp16 = q._build_dequantizer(cpu, "int4", torch.float16)
+    mxfp4 = q._build_dequantizer(cpu, "mxfp4", torch.bfloat16)
+    assert int4_bf16 is not q.dequantize_weight and int4_fp16 is not q.dequantize_weight
+    assert mxfp4 is q.dequantize_weight
+    assert len(set(map(id, compiled_codes))) == 3
+    assert all(code is not q.dequantize_weight.__code__ for code in compiled_codes)
+    from mudpuppy.backends.torch.quant_formats import quantize_weight
+
+    tensors = quantize_weight(torch.randn(64, 128), "int4", 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.enable_grad():
+        int4_bf16(tensors, "int4", 128, torch.bfloat16)
+    assert set(states) == {(False, False)}

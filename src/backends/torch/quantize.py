@@ -117,7 +117,7 @@ class Linear4bit(FrozenLinear):
 
 EAGER_ENV = "MUDPUPPY_EAGER_DEQUANTIZE"     # set to 1 to skip torch.compile for dequantization
 FUSED_MIN_WEIGHTS = 1 << 18                 # smaller CPU layers dequantize eagerly (a compile costs more)
-_DEQUANTIZERS: dict[str, object] = {}       # GPUs: one shape-generic compiled kernel per device type
+_DEQUANTIZERS: dict[tuple, object] = {}     # GPUs: one shape-generic compiled kernel per device type, format, dtype
 _CPU_KERNELS: dict[tuple, object] = {}      # CPU: one compiled kernel per layer shape, format and dtype
 
 
@@ -136,9 +136,10 @@ def fast_dequantize(tensors: dict[str, torch.Tensor], quant_backend: str, in_fea
     device = tensors["qweight"].device
     if device.type == "cpu":
         return _dequantize_on_cpu(tensors, quant_backend, in_features, dtype, out)
-    dequantize = _DEQUANTIZERS.get(device.type)
+    key = (device.type, quant_backend, dtype)
+    dequantize = _DEQUANTIZERS.get(key)
     if dequantize is None:
-        dequantize = _DEQUANTIZERS[device.type] = _build_dequantizer(device)
+        dequantize = _DEQUANTIZERS[key] = _build_dequantizer(device, quant_backend, dtype)
     weight = dequantize(tensors, quant_backend, in_features, dtype)
     return weight if out is None else out.copy_(weight)
 
@@ -237,25 +238,39 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 
-def _build_dequantizer(device: torch.device):
-    """A GPU's kernel: one shape-generic compiled function (Triton handles symbolic shapes well),
-    checked once on a probe layer against the eager code, bit for bit."""
+def _build_dequantizer(device: torch.device, quant_backend: str, dtype: torch.dtype):
+    """A GPU's kernel for one format and output dtype: a shape-generic compiled function (Triton
+    handles symbolic shapes well), checked once on a probe layer against the eager code, bit for bit.
+
+    Each (format, dtype) is built and checked on its own, so a format or dtype inductor gets wrong
+    (fp16 included) falls back to the eager code alone, and each gets a fresh code object: dynamo counts
+    recompiles per code object, and past its limit it would run eagerly without a word, with four
+    times the transient memory. Autocast and grad mode are pinned for every call, as on the CPU:
+    dynamo guards on both, and backward, merge and DoRA call it under other settings than the
+    forward, which would otherwise compile further graphs nobody checked.
+    """
     from .compile import kernel_toolchain_missing
 
     if os.environ.get(EAGER_ENV) == "1" or kernel_toolchain_missing(device.type) is not None:
         return dequantize_weight
-    compiled = torch.compile(dequantize_weight, dynamic=True)
+    fresh = types.FunctionType(dequantize_weight.__code__.replace(), dequantize_weight.__globals__,
+                               dequantize_weight.__name__, dequantize_weight.__defaults__, dequantize_weight.__closure__)
+    compiled = torch.compile(fresh, dynamic=True)
+
+    def kernel(tensors, quant_backend, in_features, dtype):
+        with torch.autocast(device.type, enabled=False), torch.no_grad():
+            return compiled(tensors, quant_backend, in_features, dtype)
+
     generator = torch.Generator(device="cpu").manual_seed(0)
     probe = torch.randn(96, 160, generator=generator).to(device)
     try:
-        for backend, group in (("int4", 64), ("mxfp4", None)):
-            tensors = quantize_weight(probe, backend, group)
-            for dtype in (torch.float32, torch.bfloat16):
-                if not torch.equal(compiled(tensors, backend, 150, dtype), dequantize_weight(tensors, backend, 150, dtype)):
-                    return dequantize_weight
+        tensors = quantize_weight(probe, quant_backend, 64 if quant_backend == "int4" else None)
+        if not same_bits(kernel(tensors, quant_backend, 150, dtype),
+                         dequantize_weight(tensors, quant_backend, 150, dtype)):
+            return dequantize_weight
     except Exception:   # inductor raises many types; each means "no fused kernel here", not a user error
         return dequantize_weight
-    return compiled
+    return kernel
 
 
 # --------------------------------------------------------------------------- whole models
