@@ -27,7 +27,8 @@ logging.getLogger("torchao").addFilter(_DropImportNoise("Failed to load "))
 logging.getLogger("torch.utils._pytree").addFilter(_DropImportNoise("is an Enum subclass and is now natively"))
 
 from .backends import create_backend, probe_all  # noqa: E402
-from .config import RunConfig, load_config  # noqa: E402
+from .config import RunConfig  # noqa: E402
+from .configure import load_config  # noqa: E402
 from .errors import BackendUnavailable, ConfigError, DataError, ModelNotFound, MudpuppyError  # noqa: E402
 from .training import run  # noqa: E402
 from .training.curriculum import load_curriculum, run_curriculum  # noqa: E402

@@ -203,7 +203,7 @@ def _relative(path: str, base: Path) -> str:
 
 def write_init_config(path: Path, text: str) -> None:
     """Validate, then write; an existing file is never replaced."""
-    from .config import load_config
+    from .configure import load_config
 
     if path.exists():
         raise MudpuppyError(f"{path} already exists; mudpuppy init never overwrites a file (choose another path)")

@@ -15,7 +15,7 @@ from .common import debug_option, handle_errors, set_option
 @handle_errors
 def validate(config_path, overrides, debug):
     """Check a config (schema, values, data files) without loading a model."""
-    from ..config import load_config
+    from ..configure import load_config
 
     cfg = load_config(config_path, overrides)
     method = cfg.method if cfg.data_method() == cfg.method else f"{cfg.method} ({cfg.data_method()})"
@@ -39,7 +39,7 @@ def preprocess(config_path, overrides, samples, refresh, debug):
     only while all three match.
     """
     from ..backends.models import resolve_model
-    from ..config import load_config
+    from ..configure import load_config
     from ..data import load_data, load_tokenizer, prepare_data
     from ..data.report import format_report
 

@@ -27,7 +27,8 @@ from ..backends.adapters import CONFIG_FILE as ADAPTER_CONFIG
 from ..backends.adapters import convert_adapter, detect_format, read_adapter, read_base_record
 from ..backends.models import MODEL_ALIASES
 from ..backends.provenance import base_to_load
-from ..config import RunConfig, load_config
+from ..config import RunConfig
+from ..configure import load_config
 from ..errors import MudpuppyError
 from ..files import check_directory, read_json
 

@@ -30,7 +30,7 @@ from typing import Callable
 from ..backends.adapters import read_base_record
 from ..backends.models import MODEL_ALIASES, looks_like_local_path, patch_rope_theta, resolve_model
 from ..backends.provenance import base_record
-from ..config import load_config
+from ..configure import load_config
 from ..errors import MudpuppyError
 from ..evaluation.targets import (ADAPTER_CONFIG, MODEL_CONFIG, RUN_CONFIG, Column, adapter_column, model_column,
                                   read_json_object, run_column, with_trust)

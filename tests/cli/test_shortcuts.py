@@ -15,7 +15,7 @@ import yaml
 from click.testing import CliRunner
 
 from mudpuppy.cli import main
-from mudpuppy.config import load_config
+from mudpuppy.configure import load_config
 from mudpuppy.shortcuts import train_config
 
 from ..conftest import QUICKSTART_DATA

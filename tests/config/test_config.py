@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from mudpuppy.config import apply_override, load_config
+from mudpuppy.config import apply_override
+from mudpuppy.configure import load_config
 from mudpuppy.errors import ConfigError
 
 from ..conftest import REPO
@@ -102,3 +103,37 @@ def test_epochs_default_and_warmup_conflict():
     assert load_config(base).training.epochs == 1.0
     with pytest.raises(ConfigError, match="warmup_steps or warmup_ratio"):
         load_config({**base, "training": {"warmup_steps": 3, "warmup_ratio": 0.1}})
+
+
+def test_checks_above_the_schema_report_in_its_order_with_their_paths():
+    """The chat template and reward spec checks need data/ and rewards/; they run inside validation (the
+    check step's context), so they come in the same list as the schema's problems, where today's did."""
+    base = {"model": {"base_model": "m"}, "data": {"datasets": [{"path": "org/name"}]}, "output_dir": "o"}
+    cfg = {**base, "method": "grpo", "grpo": {"reward_funcs": ["zzz"]}, "training": {"learning_rate": 0},
+           "data": {**base["data"], "chat_template": "nope"}}
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg, check_files=False)
+    problems = info.value.problems
+    assert [p.split(":")[0] for p in problems] == ["data.chat_template", "training.learning_rate", "grpo"], problems
+    assert problems[0].startswith("data.chat_template: unknown chat template 'nope'; use 'tokenizer', one of chatml")
+    assert problems[2].startswith("grpo: reward_funcs[0]: unknown reward function 'zzz'")
+    tools = {**base, "method": "grpo", "grpo": {"reward_funcs": [], "tools": ["calculator"]}}
+    with pytest.raises(ConfigError) as info:       # the tools check comes first and alone, as before
+        load_config(tools, check_files=False)
+    assert info.value.problems == ["grpo: tools[0]: 'calculator' is not 'path/to/file.py:function' or "
+                                   "'package.module:function'"]
+
+
+def test_the_config_package_imports_nothing_above_it():
+    """config/ is the schema: mudpuppy.errors is the only other part of mudpuppy it may import."""
+    import ast
+
+    package = REPO / "src" / "config"
+    above = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level > 1 and node.module != "errors":
+                above.append(f"{path.name}: from {'.' * node.level}{node.module or ''} import ...")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and "mudpuppy" in ast.unparse(node):
+                above.append(f"{path.name}: {ast.unparse(node)}")
+    assert not above, above

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mudpuppy.config import load_config
+from mudpuppy.configure import load_config
 from mudpuppy.training.curriculum import is_curriculum, load_curriculum
 
 from ..conftest import REPO

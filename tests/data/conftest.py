@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mudpuppy.config import load_config
+from mudpuppy.configure import load_config
 
 SAMPLES = Path(__file__).resolve().parents[2] / "configs" / "data"
 

@@ -68,7 +68,7 @@ def test_training_reuses_what_preprocess_cached(tmp_path, tiny_model_dir):
     import torch
 
     from mudpuppy.backends.torch.backend import DevicePlan, TorchBackend
-    from mudpuppy.config import load_config
+    from mudpuppy.configure import load_config
     from mudpuppy.data import prepare_sft_data
 
     cfg_path = write_config(tmp_path, tiny_model_dir, [{"path": str(SAMPLES / "sample_instruction.jsonl")}])

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from mudpuppy.config import RunConfig, load_config
+from mudpuppy.config import RunConfig
+from mudpuppy.configure import load_config
 from mudpuppy.errors import ConfigError
 from mudpuppy.rewards import BUILTINS, RewardSpec, parse_reward_specs
 from mudpuppy.rewards.options import BUILTIN_OPTIONS

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mudpuppy.config import load_config
+from mudpuppy.configure import load_config
 from mudpuppy.data import collate, load_data, prepare_sft_data
 from mudpuppy.data.examples import ImageExample
 from mudpuppy.data.images import load_image

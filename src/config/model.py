@@ -1,0 +1,63 @@
+"""The `model` and `adapter` sections: which base loads, and what trains on top of it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .base import _Strict
+
+
+class ModelConfig(_Strict):
+    base_model: str = Field(min_length=1, description="HF directory, hub id, .gguf file, or alias")
+    tokenizer: str | None = Field(None, description="defaults to base_model")
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="storage dtype of the frozen base: auto = the device's compute dtype (bf16, or fp16 on "
+                            "GPUs without bf16; fp32 where neither is native), fp32 for weights that train in full")
+    # Vision-language models (docs/data.md#images): chat records with images, AutoModelForImageTextToText.
+    vision: Literal["auto"] | bool = Field(
+        "auto", description="a vision-language model with its processor; auto: when its config.json has a vision_config")
+    freeze_vision: bool = Field(
+        True, description="vision-language models: the vision tower stays frozen and LoRA adapts the language "
+                          "model only; false trains the vision tower too (in full, or with LoRA on its linears)")
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0.0, description="mixture-of-experts: weight of the router's load-balancing loss in every training "
+                                  "objective; null keeps the model's config (on only where it sets "
+                                  "output_router_logits), 0 turns it off; refused for a model without a router")
+
+
+class AdapterConfig(_Strict):
+    type: Literal["none", "lora", "dora", "qlora"] = "lora"
+    r: int = Field(8, gt=0, le=4096)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    rslora: bool = False
+    train_router: bool = Field(
+        False, description="mixture-of-experts: the router (gate) of each expert layer trains in full, saved with the "
+                           "adapter; false keeps it frozen")
+    quant_backend: Literal["int4", "mxfp4"] = Field(
+        "int4", description="qlora: 4-bit format of the frozen base (int4 group-wise, or OCP MXFP4 blocks of 32)")
+    quant_group_size: int | None = Field(
+        64, gt=0, description="qlora int4: values per scale (even); null for one scale per row")
+    init_from: str | None = Field(
+        None, description="start from this adapter's weights (a PEFT or mlx-lm adapter directory of the same "
+                          "type, r and target modules) instead of a fresh initialisation; curricula set it per stage")
+
+    @model_validator(mode="after")
+    def _quant_options_fit(self):
+        if self.quant_backend == "mxfp4" and "quant_group_size" in self.model_fields_set:
+            raise ValueError("quant_group_size does not apply to mxfp4, whose blocks are always 32 values")
+        if self.quant_group_size is not None and self.quant_group_size % 2:
+            raise ValueError("quant_group_size must be even (two 4-bit values share a byte)")
+        return self
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("give at least one module name, or 'all-linear'")
+        return v

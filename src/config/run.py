@@ -1,0 +1,131 @@
+"""The root of a run's config: `RunConfig` holds every section, fills in the one its method reads, refuses
+the others, and checks what only the sections together can say."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .base import _Strict
+from .data import DataConfig
+from .methods import GptqConfig, GrpoConfig, PreferenceConfig, QatConfig, RewardConfig, grpo_batch_problems
+from .model import AdapterConfig, ModelConfig
+from .training import DistributedConfig, EvalConfig, LoggingConfig, MemoryConfig, TrainingConfig
+
+BACKEND_NAMES = ("auto", "cpu", "cuda", "rocm", "mlx")
+
+
+class RunConfig(_Strict):
+    model: ModelConfig
+    backend: Literal[BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
+    devices: list[int] | None = Field(None, description="GPU indices (after *_VISIBLE_DEVICES); default: the first usable")
+    method: Literal["sft", "preference", "rm", "prm", "grpo", "gptq", "qat"] = "sft"
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    data: DataConfig
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    output_dir: str = Field(min_length=1)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    resume: bool | Literal["auto"] = Field(False, description="continue from the newest complete checkpoint")
+    merge: bool = Field(False, description="merge the adapter into the base model at the end of the run")
+    merge_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    preference: PreferenceConfig | None = Field(None, description="method: preference only")
+    reward: RewardConfig | None = Field(None, description="method: rm and prm only")
+    grpo: GrpoConfig | None = Field(None, description="method: grpo only (reward_funcs is required there)")
+    gptq: GptqConfig | None = Field(None, description="method: gptq only")
+    qat: QatConfig | None = Field(None, description="method: qat only")
+
+    # Where the YAML came from; relative data paths resolve against it first.
+    source_dir: str | None = Field(None, exclude=True)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _expand_home(cls, v: str) -> str:
+        return os.path.expanduser(v)     # as a shell would: never a folder named "~" beside the config
+
+    @model_validator(mode="after")
+    def _method_sections(self):
+        """Each method's section is filled in with defaults, and refused under other methods."""
+        problems = []
+        # Assign only when missing: assignment re-runs this validator (validate_assignment).
+        if self.method == "preference":
+            if self.preference is None:
+                self.preference = PreferenceConfig()
+        elif self.preference is not None:
+            problems.append(f"preference: this section applies to method: preference (this config has method: {self.method})")
+        if self.method in ("rm", "prm"):
+            if self.reward is None:
+                self.reward = RewardConfig()
+        elif self.reward is not None:
+            problems.append(f"reward: this section applies to method: rm or prm (this config has method: {self.method})")
+        if self.method == "grpo":
+            if self.grpo is None:
+                problems.append("grpo: method grpo needs a grpo section with at least grpo.reward_funcs "
+                                "(for example: grpo: {reward_funcs: [exact_match]})")
+            else:
+                problems += grpo_batch_problems(self.grpo, self.training)
+                if self.grpo.beta > 0 and self.adapter.type == "none":
+                    # The reference is the base with the adapter switched off; full fine-tuning
+                    # has no such switch, and a frozen copy would double the model's memory.
+                    problems.append("grpo.beta: a KL to the reference needs an adapter (the reference is the base "
+                                    "with the adapter off); with adapter.type none set grpo.beta: 0")
+        elif self.grpo is not None:
+            problems.append(f"grpo: this section applies to method: grpo (this config has method: {self.method})")
+        for name, section in (("gptq", GptqConfig), ("qat", QatConfig)):
+            if self.method == name:
+                if getattr(self, name) is None:
+                    setattr(self, name, section())
+            elif getattr(self, name) is not None:
+                problems.append(f"{name}: this section applies to method: {name} (this config has method: {self.method})")
+        if self.method in ("preference", "rm", "prm", "grpo") and self.data.packing:
+            problems.append(f"data.packing: packing is for sft; method {self.method} batches whole sequences "
+                            "(set it to false)")
+        pref = self.preference if self.method == "preference" else None
+        if pref is not None and pref.needs_reference and self.adapter.type == "none" and not pref.precompute_ref:
+            # With an adapter the reference is the base with the adapter switched off; full
+            # fine-tuning has no such switch, and a frozen copy would double the model's memory.
+            problems.append(f"preference.precompute_ref: {pref.type} needs reference log-probs; with adapter.type none set "
+                            "preference.precompute_ref: true (computed once from the untrained weights)")
+        if self.memory.stream_layers and self.adapter.type == "none":
+            problems.append("memory.stream_layers: streaming moves frozen base layers; with adapter.type none every "
+                            "weight trains (use lora/qlora, or memory.optimizer_offload for full fine-tuning)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def data_method(self) -> str:
+        """The name the data layer checks formats against (data.METHOD_FORMATS): dpo, kto, rm, ..."""
+        if self.method == "preference":
+            return self.preference.type
+        if self.method in ("gptq", "qat"):
+            return "sft"              # calibration / training examples are SFT data
+        return self.method
+
+    def resolve_path(self, path: str) -> Path:
+        """A data path as the user meant it: config directory first, then cwd."""
+        return resolve_relative(path, self.source_dir)
+
+    def backend_options(self) -> dict[str, Any]:
+        """What `create_backend` needs from the config besides the name."""
+        return {"devices": self.devices, "precision": self.training.precision, "memory": self.memory,
+                "optimizer": self.training.optimizer, "distributed": self.distributed}
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude={"source_dir"})
+
+
+def resolve_relative(path: str, source_dir: str | None) -> Path:
+    p = Path(os.path.expanduser(path))
+    if p.is_absolute():
+        return p
+    if source_dir is not None:
+        beside = Path(source_dir) / p
+        if beside.exists() or not p.exists():
+            return beside
+    return p
+
