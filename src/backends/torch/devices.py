@@ -23,6 +23,7 @@ from ...distributed import from_environment, launched
 from ...errors import BackendUnavailable
 from ..protocol import Availability
 from .handle import DevicePlan
+from .sdpa import attention_report, describe_attention
 
 # torch reads the first of these that is set. PYTORCH_ALLOC_CONF is the newer,
 # device-neutral name (torch >= 2.9); the per-vendor names still work everywhere.
@@ -317,7 +318,9 @@ def child_environment(plan: DevicePlan, base: Mapping[str, str] | None = None) -
 
     This process keeps its own variables: torch has already enumerated the
     GPUs here, and changing *_VISIBLE_DEVICES under it would renumber them
-    for torch's own bookkeeping.
+    for torch's own bookkeeping. What mudpuppy set before HIP started (the
+    ROCR_VISIBLE_DEVICES that hides an iGPU, rocm.py) is in os.environ, so a
+    child inherits it and the ids in `plan.env` keep counting within it.
     """
     return {**(os.environ if base is None else base), **plan.env}
 
@@ -403,54 +406,7 @@ def convert_to_fp8(model) -> None:
 
 
 # ---------------------------------------------------------------- attention
-
-KERNEL_NAMES = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "memory-efficient",
-                "CUDNN_ATTENTION": "cudnn", "MATH": "math", "OVERRIDEABLE": "overrideable", "ERROR": "none"}
-
-
-def pick_sdpa_kernel(q: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> str:
-    """The kernel torch's scaled_dot_product_attention would dispatch to for these inputs."""
-    from torch.nn.attention import SDPBackend
-
-    try:
-        choice = torch._fused_sdp_choice(q, q, q, mask, 0.0, causal)
-        return KERNEL_NAMES.get(SDPBackend(choice).name, SDPBackend(choice).name.lower())
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        # Older torch without the private chooser: ask the public checks in torch's order.
-        params = torch.backends.cuda.SDPAParams(q, q, q, mask, 0.0, causal, False)
-        if q.is_cuda and torch.backends.cuda.can_use_flash_attention(params):
-            return "flash"
-        if q.is_cuda and torch.backends.cuda.can_use_efficient_attention(params):
-            return "memory-efficient"
-        return "math"
-
-
-def attention_report(device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                     head_dim: int = 64, seq_len: int = 128) -> dict[str, Any]:
-    """Which SDPA kernel runs for plain causal batches and for masked (padded or packed) ones.
-
-    Masked batches matter: flash kernels take no arbitrary mask, so padded or
-    packed batches fall to the memory-efficient or math kernel.
-    """
-    device = torch.device(device)
-    dtype = dtype or torch.float32
-    q = torch.zeros(1, 4, seq_len, head_dim, device=device, dtype=dtype)
-    mask = torch.ones(seq_len, seq_len, device=device, dtype=torch.bool).tril()
-    backends = torch.backends.cuda
-    return {
-        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-        "causal": pick_sdpa_kernel(q, None, True),
-        "masked": pick_sdpa_kernel(q, mask, False),
-        "enabled": {"flash": backends.flash_sdp_enabled(), "memory-efficient": backends.mem_efficient_sdp_enabled(),
-                    "math": backends.math_sdp_enabled(),
-                    "cudnn": getattr(backends, "cudnn_sdp_enabled", lambda: False)()},
-        "flash_built": bool(getattr(backends, "is_flash_attention_available", lambda: False)()),
-    }
-
-
-def describe_attention(report: dict[str, Any]) -> str:
-    return (f"sdpa: {report['causal']} kernel for causal batches, {report['masked']} for padded/packed "
-            f"({report['dtype']})")
+# The report itself lives in sdpa.py; it is called through this module's name so tests can stand in for it.
 
 
 def report_attention(device: torch.device, dtype: torch.dtype | None) -> str:
@@ -486,6 +442,7 @@ def plan_run(kind: GpuKind, availability: Availability, devices: int | list[int]
     attention = report_attention(device, chosen.autocast)
     notes = [
         f"device: {gpu.describe()} with {kind.runtime()}",
+        *availability.details.get("visibility", []),      # an iGPU hidden from HIP (rocm.py), and why
         f"precision: {chosen.name} ({chosen.why})",
         f"allocator: {describe_allocator(allocator)}",
         f"attention: {attention}",

@@ -1,9 +1,10 @@
 """AMD GPUs through PyTorch's ROCm (HIP) build; torch exposes them as 'cuda' devices.
 
 What is AMD-specific lives here: which architectures are integrated GPUs to
-skip, which have native bf16 and fp8, the allocator default, and the install
-command. The mechanics (probe, selection, precision, environment) are shared
-with CUDA in devices.py.
+skip (and to hide from HIP before it starts: visibility.py, from the KFD
+topology kfd.py reads), which have native bf16 and fp8, the allocator default,
+and the install command. The mechanics (probe, selection, precision,
+environment) are shared with CUDA in devices.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import torch
 
 from ..protocol import Availability
+from . import kfd, visibility
 from .backend import TorchBackend
 from .memory import check_memory_options
 from .optimizers import check_optimizer
@@ -51,6 +53,13 @@ SMALL_IGPU_ARCHS = {
 CAPABLE_APU_ARCHS = {
     "gfx1151": "Strix Halo (Radeon 8050S/8060S)",
     "gfx942": "MI300A",
+}
+# PCI device ids of the small iGPUs above: they name an iGPU where the architecture is not known
+# (amd-smi without it). Strix Halo (0x1586) is a capable APU and is not listed.
+SMALL_IGPU_DEVICE_IDS = {
+    0x15dd: "Raven Ridge", 0x15d8: "Picasso", 0x1636: "Renoir", 0x1638: "Cezanne", 0x164c: "Lucienne",
+    0x15e7: "Barcelo", 0x163f: "Van Gogh", 0x1681: "Rembrandt", 0x164e: "Raphael", 0x13c0: "Granite Ridge",
+    0x1506: "Mendocino", 0x15bf: "Phoenix", 0x15c8: "Phoenix 2", 0x150e: "Strix Point",
 }
 # Native bf16 matrix instructions: CDNA (MI100 onward), RDNA3 and RDNA4.
 # RDNA2 (gfx103x) and Vega (gfx90x) emulate bf16 slowly, so fp16 is used there.
@@ -91,8 +100,40 @@ def find_exclusion(gpu: Gpu) -> str:
     if not (label or gpu.integrated):
         return ""
     what = f"integrated GPU, {label}" if label else "integrated GPU"
-    return (f"{what}: these often crash on basic operations under ROCm; "
-            f"set {ALLOW_IGPU_VAR}=1 to try it anyway")
+    return (f"{what}: these often crash on basic operations under ROCm, and while HIP sees one, work on the "
+            f"discrete GPU can fail too (hide it with ROCR_VISIBLE_DEVICES); set {ALLOW_IGPU_VAR}=1 to try it")
+
+
+def igpu_reason(gpu: kfd.KfdGpu) -> str:
+    """Why HIP should not see this GPU (KFD's view, the hardware's own architecture), or ''."""
+    if gpu.arch in CAPABLE_APU_ARCHS:
+        return ""
+    label = SMALL_IGPU_ARCHS.get(gpu.arch) or SMALL_IGPU_DEVICE_IDS.get(gpu.device_id)
+    if label:
+        what = f"integrated GPU, {label}"
+    elif gpu.combined_node:
+        what = "integrated GPU (its KFD node holds the CPU cores too)"
+    else:
+        return ""
+    override = os.environ.get("HSA_OVERRIDE_GFX_VERSION")
+    if override:
+        what += (f"; HSA_OVERRIDE_GFX_VERSION={override} makes HIP report another architecture, "
+                 f"the kernel reads {gpu.arch}")
+    return what
+
+
+def hip_started() -> bool:
+    return torch.cuda.is_initialized() or kfd.kfd_open()
+
+
+def hide_integrated_gpus() -> tuple[list[str], str]:
+    """Hide small iGPUs from HIP before torch starts it: (notes, problem); problem is '' unless HIP had
+    already started in a library call (the `mudpuppy` command restarts itself instead)."""
+    if igpu_allowed():
+        return [], ""
+    decision = visibility.decide(kfd.list_gpus(), igpu_reason, os.environ)
+    problem = visibility.apply(decision, hip_started(), ALLOW_IGPU_VAR)
+    return decision.notes, problem
 
 
 def check_build() -> str:
@@ -159,7 +200,18 @@ KIND = GpuKind(
 
 
 def probe() -> Availability:
-    return probe_kind(KIND)
+    """Hide iGPUs first (HIP reads visibility once, at its start), then the shared probe."""
+    if check_build():
+        return probe_kind(KIND)   # the wrong-build message, before anything reads the GPUs
+    notes, problem = hide_integrated_gpus()
+    if problem:
+        return Availability(KIND.name, False, problem)
+    result = probe_kind(KIND)
+    if notes:
+        result.details["visibility"] = notes
+        if result.available:
+            result.device = "\n      ".join([result.device, *notes])
+    return result
 
 
 def create(availability: Availability, devices: int | list[int] | None = None,
