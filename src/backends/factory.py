@@ -7,6 +7,7 @@ device; an import that succeeds or a flag that says yes is not enough.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Callable
 
 from ..errors import BackendUnavailable
@@ -66,6 +67,9 @@ def resolve_auto(prober: Callable[[str], Availability] = probe) -> Availability:
 def create_backend(name: str = "auto", **options) -> BackendProtocol:
     """Return a ready backend, or raise `BackendUnavailable` saying why and what is available."""
     name = (name or "auto").lower()
+    if options.get("deterministic"):
+        # cuBLAS reads its workspace setting once, at its first call: the GPU probe's matmul.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if name == "auto":
         result = resolve_auto()
     elif name not in _REGISTRY:

@@ -113,7 +113,8 @@ class RunConfig(_Strict):
     def backend_options(self) -> dict[str, Any]:
         """What `create_backend` needs from the config besides the name."""
         return {"devices": self.devices, "precision": self.training.precision, "memory": self.memory,
-                "optimizer": self.training.optimizer, "distributed": self.distributed}
+                "optimizer": self.training.optimizer, "distributed": self.distributed,
+                "deterministic": self.training.deterministic}
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"source_dir"})

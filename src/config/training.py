@@ -40,6 +40,8 @@ class TrainingConfig(_Strict):
     early_stopping_patience: int | None = Field(None, gt=0, description="stop after N evals without improvement")
     early_stopping_min_delta: float = Field(0.0, ge=0.0)
     on_nan: Literal["skip", "stop"] = "skip"
+    deterministic: bool = Field(
+        False, description="torch's deterministic algorithms: GPU steps repeat bit for bit, slower (torch backends)")
 
     @model_validator(mode="after")
     def _one_length(self):

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mudpuppy import create_backend
 from mudpuppy.backends import factory
 from mudpuppy.backends.protocol import Availability, BackendProtocol
-from mudpuppy.errors import BackendUnavailable
+from mudpuppy.errors import BackendUnavailable, MudpuppyError
 
 
 def test_registry_holds_every_backend():
@@ -80,3 +82,52 @@ def test_cpu_refuses_gpu_only_precisions(precision):
 def test_cpu_reports_its_precision_choice():
     backend = create_backend("cpu", precision="auto")
     assert backend.plan.notes and backend.plan.notes[0].startswith("precision: ")
+
+
+@pytest.fixture
+def restore_determinism():
+    import torch
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    yield
+    torch.use_deterministic_algorithms(before[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
+    if before[3] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def test_training_deterministic_switches_torchs_deterministic_algorithms_on(tiny_config, restore_determinism):
+    import torch
+    from mudpuppy import load_config, run
+
+    tiny_config["training"]["deterministic"] = True
+    cfg = load_config(tiny_config)
+    assert cfg.backend_options()["deterministic"] is True
+    backend = create_backend("cpu", **cfg.backend_options())
+    assert torch.are_deterministic_algorithms_enabled() and backend.plan.deterministic
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert any(note.startswith("deterministic: ") for note in backend.plan.notes)
+    # Every op of a LoRA step has a deterministic kernel (none stops the run), and on the CPU, already
+    # deterministic, the losses are those of a run without the switch.
+    tiny_config["training"]["max_steps"] = 2
+    tiny_config["eval"] = {"before_training": False, "after_training": False}
+    strict = run(load_config(tiny_config), backend, echo=lambda *_: None).losses
+    torch.use_deterministic_algorithms(False)
+    tiny_config["training"]["deterministic"] = False
+    tiny_config["output_dir"] = tiny_config["output_dir"] + "-plain"
+    assert run(load_config(tiny_config), create_backend("cpu"), echo=lambda *_: None).losses == strict
+
+
+def test_training_deterministic_off_leaves_torch_alone(tiny_config, restore_determinism):
+    import torch
+
+    torch.use_deterministic_algorithms(False)
+    assert not create_backend("cpu").plan.deterministic and not torch.are_deterministic_algorithms_enabled()
+
+
+def test_mlx_refuses_training_deterministic():
+    pytest.importorskip("mlx.core")
+    with pytest.raises(MudpuppyError, match="training.deterministic switches torch's deterministic algorithms on; "
+                                            "mlx has no such switch"):
+        create_backend("mlx", deterministic=True)

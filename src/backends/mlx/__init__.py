@@ -32,10 +32,14 @@ def probe() -> Availability:
 TORCHAO_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adamw_4bit": "AdamW4bit"}
 
 
-def create(availability: Availability, memory=None, optimizer: str = "adamw", **_options):
+def create(availability: Availability, memory=None, optimizer: str = "adamw", deterministic: bool = False,
+           **_options):
     """The backend, once the options MLX cannot honour are refused: before any model loads."""
     check_memory_options(memory)
     check_optimizer(optimizer)
+    if deterministic:
+        raise MudpuppyError("training.deterministic switches torch's deterministic algorithms on; mlx has no such "
+                            "switch. Remove the key for this run, or run it with --backend cpu, cuda or rocm")
     from .backend import MlxBackend
 
     return MlxBackend(availability.device, bool(availability.details.get("gpu")))

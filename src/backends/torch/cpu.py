@@ -7,6 +7,7 @@ import torch
 from ...errors import MudpuppyError
 from ..protocol import Availability
 from .backend import DevicePlan, TorchBackend
+from .devices import make_deterministic
 from .memory import check_memory_options
 from .optimizers import check_optimizer
 
@@ -32,7 +33,7 @@ def probe() -> Availability:
 
 
 def create(availability: Availability, precision: str | None = None, devices=None, memory=None,
-           optimizer: str = "adamw", distributed=None, **_options) -> TorchBackend:
+           optimizer: str = "adamw", distributed=None, deterministic: bool = False, **_options) -> TorchBackend:
     if precision in ("fp16", "fp8"):
         # fp16 on a CPU trains without loss scaling and is slower than bf16; fp8 needs GPU kernels.
         raise MudpuppyError(f"training.precision: {precision} needs a GPU; on the cpu backend use bf16 or fp32 "
@@ -44,5 +45,8 @@ def create(availability: Availability, precision: str | None = None, devices=Non
     fast_bf16 = bool(availability.details.get("bf16"))
     autocast = torch.bfloat16 if fast_bf16 else None
     note = "precision: bf16 autocast (native bf16 matmuls)" if fast_bf16 else "precision: fp32 (no native bf16 on this CPU)"
-    return TorchBackend(DevicePlan("cpu", torch.device("cpu"), autocast, notes=[note], memory=memory, optimizer=optimizer,
-                                   precision="bf16" if fast_bf16 else "fp32", distributed=distributed))
+    plan = DevicePlan("cpu", torch.device("cpu"), autocast, notes=[note], memory=memory, optimizer=optimizer,
+                      precision="bf16" if fast_bf16 else "fp32", distributed=distributed)
+    if deterministic:
+        make_deterministic(plan)
+    return TorchBackend(plan)

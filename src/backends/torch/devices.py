@@ -386,6 +386,19 @@ def fp8_problem(adapter_type: str | None, stream_layers: bool) -> str | None:
             "memory.stream_layers")
 
 
+def make_deterministic(plan: DevicePlan) -> None:
+    """training.deterministic: every op torch runs picks its deterministic kernel (index_add, SDPA's backward,
+    cuBLAS' reductions on a GPU), or the run stops at the first op that has none, naming it. Process-wide, as
+    torch's switch is. cuBLAS also needs CUBLAS_WORKSPACE_CONFIG before its first call: the factory sets it
+    before the probe's matmul (factory.create_backend)."""
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    plan.deterministic = True
+    plan.notes.append("deterministic: torch's deterministic algorithms (steps repeat bit for bit; slower on a GPU; "
+                      "an op without one stops the run, naming it)")
+
+
 def convert_to_fp8(model) -> None:
     """Swap the model's linear layers for torchao's float8 training layers.
 

@@ -42,6 +42,7 @@ class DevicePlan:
     optimizer: str = "adamw"          # training.optimizer, checked against this device when the plan is made
     host: torch.device = field(default_factory=lambda: torch.device("cpu"))   # where offloaded state lives
     distributed: Any = None           # config.DistributedConfig: the strategy when launched as several processes
+    deterministic: bool = False       # training.deterministic: torch's deterministic algorithms (devices.py)
 
 
 @dataclass

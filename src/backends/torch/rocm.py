@@ -20,6 +20,7 @@ from .backend import TorchBackend
 from .memory import check_memory_options
 from .optimizers import check_optimizer
 from .devices import (
+    make_deterministic,
     ALLOW_IGPU_VAR,
     Gpu,
     GpuKind,
@@ -216,8 +217,11 @@ def probe() -> Availability:
 
 def create(availability: Availability, devices: int | list[int] | None = None,
            precision: str | None = None, memory=None, optimizer: str = "adamw", distributed=None,
-           **_options) -> TorchBackend:
+           deterministic: bool = False, **_options) -> TorchBackend:
     """One GPU, loaded on the CPU first and moved whole: `device_map="auto"` segfaults with an iGPU present."""
     check_memory_options(KIND.name, memory, gpu=True)
     check_optimizer(KIND.name, optimizer, memory)
-    return TorchBackend(plan_run(KIND, availability, devices, precision, memory, optimizer, distributed))
+    plan = plan_run(KIND, availability, devices, precision, memory, optimizer, distributed)
+    if deterministic:
+        make_deterministic(plan)
+    return TorchBackend(plan)
