@@ -117,7 +117,11 @@ class RunConfig(_Strict):
                 "deterministic": self.training.deterministic}
 
     def dump(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude={"source_dir"})
+        """Every key with its value, as a run's config.yaml records it; loading the dump gives this config."""
+        dumped = self.model_dump(mode="json", exclude={"source_dir"})
+        if self.adapter.quant_backend == "mxfp4":        # a group size given with mxfp4 is refused on load
+            dumped["adapter"].pop("quant_group_size", None)
+        return dumped
 
 
 def resolve_relative(path: str, source_dir: str | None) -> Path:

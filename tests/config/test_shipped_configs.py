@@ -28,3 +28,13 @@ def test_config_validates_and_says_how_to_run_it(path: Path):
     for cfg in cfgs:
         for spec in cfg.data.datasets + cfg.data.val_datasets:
             assert cfg.resolve_path(spec.path).is_relative_to(REPO / "configs")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_what_a_run_records_of_its_config_loads_back_to_the_same_config(path: Path):
+    """A run writes cfg.dump() as its config.yaml, which eval, export, merge and --resume load again: it must
+    load, and to the same settings (an mxfp4 run's dump once carried a group size that mxfp4 refuses)."""
+    cfgs = [s.cfg for s in load_curriculum(path).stages] if is_curriculum(path) else [load_config(path)]
+    for cfg in cfgs:
+        again = load_config(cfg.dump(), check_files=False)
+        assert again.dump() == cfg.dump()
