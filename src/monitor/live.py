@@ -2,8 +2,11 @@
 
     with watch_run(cfg.logging.tui) as echo:      # cli/runs.py: around creating the backend and the run
         run(cfg, backend, echo=echo)              # training.run names the run and its backend (note_run);
-                                                  # train_loop asks active() for progress, metrics lines, samples
+                                                  # the loop's standard callbacks draw on echo's dashboard
 
+`watch_run` yields a `RunEcho`: the echo a run prints its lines with, carrying
+the dashboard those lines go to, so whatever holds the echo reaches the
+dashboard through it (`progress_display` builds the loop's callback from it).
 While it is live, what the run echoes, prints or warns goes to the dashboard's
 log panel instead of tearing the display (stdout, stderr, `warnings` and
 the logging module's console handlers are redirected, and restored after).
@@ -29,44 +32,67 @@ from typing import Callable, Iterator
 
 import click
 
+from .callbacks import Callback
+from .progress import ProgressLines, plain_progress, postfix
+
 HARDWARE_EVERY_S = 2.0          # device readings are cheap, but rocm-smi (the ROCm fallback) is a process per call
 
-_active: "Dashboard | None" = None
+
+class RunEcho:
+    """What watch_run yields: the `echo` a run prints its lines with (click.echo's arguments), and the
+    dashboard those lines go to while one draws (None without --tui, off a terminal, or on ranks other than 0)."""
+
+    def __init__(self, dashboard: "Dashboard | None" = None):
+        self.dashboard = dashboard
+
+    def __call__(self, message=None, err: bool = False, nl: bool = True, **kwargs) -> None:
+        if self.dashboard is None:
+            click.echo(message, err=err, nl=nl, **kwargs)
+        else:
+            self.dashboard.echo(message, err=err, nl=nl, **kwargs)
 
 
-def active() -> "Dashboard | None":
-    """The dashboard drawing right now in this process, if any."""
-    return _active if _active is not None and _active.live is not None else None
+def drawing(echo) -> "Dashboard | None":
+    """The dashboard drawing for `echo` right now, if any (an echo not from watch_run has none)."""
+    dash = echo.dashboard if isinstance(echo, RunEcho) else None
+    return dash if dash is not None and dash.live is not None else None
 
 
-def note_run(cfg, backend) -> None:
-    """Name the run in the dashboard's header (each stage of a curriculum calls it again)."""
-    dash = active()
+def note_run(cfg, backend, echo) -> None:
+    """Name the run in the dashboard's header (each stage of a curriculum calls it again): the dashboard drawing
+    for `echo`, if any."""
+    dash = drawing(echo)
     if dash is not None:
         dash.describe(cfg, backend)
 
 
+def progress_display(logging_cfg, echo) -> Callback:
+    """The loop's progress callback: the dashboard drawing for `echo`, else the progress lines of
+    `logging.progress_bar` / `logging.progress_every`."""
+    enabled, every = logging_cfg.progress_bar, logging_cfg.progress_every
+    dash = drawing(echo)
+    if dash is None:
+        return ProgressLines(enabled, every)
+    return DashboardCallback(dash, enabled, every)
+
+
 @contextmanager
-def watch_run(enabled: bool, console=None, refresh_per_second: float = 4.0) -> Iterator[Callable]:
+def watch_run(enabled: bool, console=None, refresh_per_second: float = 4.0) -> Iterator[RunEcho]:
     """Show the dashboard while the body runs; yields the `echo` the run should print its lines with."""
-    global _active
     from ..distributed import from_environment
 
     if not enabled or not from_environment().is_main:         # other ranks stay quiet, as without --tui
-        yield click.echo
+        yield RunEcho()
         return
     dash = start_dashboard(console, refresh_per_second)
     if dash is None:
-        yield click.echo
+        yield RunEcho()
         return
-    _active = dash
     try:
-        yield dash.echo
+        yield RunEcho(dash)
     except BaseException:
-        _active = None
         dash.stop("stopped")             # the error itself is reported below the last frame
         raise
-    _active = None
     dash.stop("finished")
 
 
@@ -258,63 +284,46 @@ class Dashboard:
     def observe(self, record: dict) -> None:
         self.guarded(lambda: self.state.observe(record, at=self.now()))
 
-    def progress(self, total: int, done: int, plain: Callable[[int], object]) -> "DashboardProgress":
-        """The loop's progress object; `plain(done)` makes the plain progress lines used after a failure."""
-        self.guarded(lambda: self.state.begin(total, done, self.now()))
-        return DashboardProgress(self, done, plain)
 
-    def watching(self, log) -> "WatchedLog":
-        return WatchedLog(log, self)
+class DashboardCallback(Callback):
+    """The loop's callback while the dashboard draws: progress, metrics lines and samples go to the dashboard;
+    after a drawing failure, plain progress lines carry on from the step reached (`enabled`: whether
+    logging.progress_bar asks for them, `every`: logging.progress_every)."""
 
-
-class DashboardProgress:
-    """What train_loop calls on its progress bar (tqdm's set_postfix / update / close), drawn by the dashboard;
-    after a failure, the plain progress lines carry on from the step reached."""
-
-    def __init__(self, dash: Dashboard, done: int, plain: Callable[[int], object]):
-        self.dash, self.n, self.make_plain = dash, done, plain
+    def __init__(self, dash: Dashboard, enabled: bool, every: int | None):
+        self.dash, self.enabled, self.every = dash, enabled, every
+        self.total = self.n = 0
         self.plain = None
-        self.postfix: dict = {}
+        self.fell_back = False
 
-    def set_postfix(self, **fields) -> None:
-        self.postfix = fields
-        if self.plain is not None:
-            self.plain.set_postfix(**fields)
+    def on_run_start(self, total: int, done: int) -> None:
+        self.total, self.n = total, done
+        self.dash.guarded(lambda: self.dash.state.begin(total, done, self.dash.now()))
 
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if self.dash.guarded(lambda: self.dash.state.advance(self.n, self.dash.now())):
-            return
-        if self.plain is None:
-            self.plain = self.make_plain(self.n - n)
-            if self.plain is None:           # logging.progress_bar: false
-                self.make_plain = lambda _done: None
-                return
-            self.plain.set_postfix(**self.postfix)
-        self.plain.update(n)
-
-    def show_samples(self, samples: list[dict]) -> None:
+    def on_samples(self, step: int, samples: list[dict]) -> None:
         if samples:
             self.dash.guarded(lambda: setattr(self.dash.state, "samples", list(samples)))
 
-    def close(self) -> None:
+    def on_log(self, record: dict) -> None:
+        self.dash.observe(dict(record))
+
+    def on_step_end(self, step: int, metrics: dict) -> None:
+        shown = postfix(metrics)
+        self.n += 1
+        if self.dash.guarded(lambda: self.dash.state.advance(self.n, self.dash.now())):
+            return
+        if not self.fell_back:
+            self.fell_back = True
+            # sys.stderr read now: the dashboard has stopped and given the real stream back
+            self.plain = plain_progress(self.total, self.n - 1, self.every, sys.stderr) if self.enabled else None
+        if self.plain is not None:
+            self.plain.set_postfix(**shown)
+            self.plain.update(1)
+
+    def on_run_end(self) -> None:
         self.dash.guarded(lambda: setattr(self.dash.state, "phase", "finishing"))
         if self.plain is not None:
             self.plain.close()
-
-
-class WatchedLog:
-    """The metrics log, with every line it writes shown on the dashboard too."""
-
-    def __init__(self, log, dash: Dashboard):
-        self.log, self.dash = log, dash
-
-    def write(self, **fields) -> None:
-        self.log.write(**fields)
-        self.dash.observe(dict(fields))
-
-    def close(self) -> None:
-        self.log.close()
 
 
 def stop_quietly(live) -> BaseException | None:

@@ -1,14 +1,47 @@
 """Progress for a run without the dashboard: a tqdm bar on a terminal, plain lines in logs, and `clock`, the
 elapsed/eta format both these lines and the --tui dashboard print.
 
-A leaf: the training loop (training/loop.py) and the dashboard (dashboard.py)
-both import it, and it imports neither.
+`ProgressLines` is the callback the training loop reports to (callbacks.py);
+`postfix` is what both it and the dashboard show after the step count. It
+imports nothing of the dashboard (dashboard.py and live.py import it).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+
+from .callbacks import Callback
+
+
+def postfix(metrics: dict) -> dict[str, str]:
+    """What a progress line shows of a step: its loss, tokens per second and, where batches were sampled, the
+    mean reward."""
+    shown = {"loss": f"{metrics['loss']:.4f}", "tok_s": f"{metrics['tokens_per_second']:.0f}"}
+    if "reward" in metrics:
+        shown["reward"] = f"{metrics['reward']:.3f}"
+    return shown
+
+
+class ProgressLines(Callback):
+    """The loop's progress without the dashboard (`logging.progress_bar`, every `logging.progress_every`
+    steps off a terminal); nothing when disabled."""
+
+    def __init__(self, enabled: bool, every: int | None = None, stream=None):
+        self.enabled, self.every, self.stream = enabled, every, stream
+        self.bar = None
+
+    def on_run_start(self, total: int, done: int) -> None:
+        self.bar = progress_bar(total, done, self.enabled, self.every, self.stream)
+
+    def on_step_end(self, step: int, metrics: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(**postfix(metrics))
+            self.bar.update(1)
+
+    def on_run_end(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def progress_bar(total: int, done: int, enabled: bool, every: int | None = None, stream=None):

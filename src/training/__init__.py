@@ -32,7 +32,7 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
     from ..monitor.live import note_run
 
     backend = backend or create_backend(cfg.backend, **cfg.backend_options())
-    note_run(cfg, backend)          # the --tui dashboard's header, when one is drawing
+    note_run(cfg, backend, echo)    # the --tui dashboard's header, when one is drawing for `echo`
     ranks = current()
     if ranks.distributed:
         if cfg.method == "grpo" and cfg.distributed.strategy == "fsdp":

@@ -45,11 +45,9 @@ from ..rewards import check_columns, load_reward_functions, parse_reward_specs
 from . import outputs
 from .agent import build_agent, environment_reward, load_agent, offer_tools, schemas
 from .grpo_loss import GrpoObjective
-from .loop import (
-    LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, total_steps_for,
-    train_loop,
-)
+from .loop import LoopState, checkpoint_writer, restore, resumed_step, save_trained, total_steps_for, train_loop
 from .merge import merge_at_end
+from .outputs import RunResult, run_summary
 from .reward_models import reward_model_function
 from .rollout import COMPLETIONS, RolloutBatcher, score_completions
 
@@ -107,7 +105,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     # -- loop
     save = checkpoint_writer(cfg, backend, handle, trainer, rollouts, out)
     stopped_early = train_loop(cfg, trainer, rollouts, state, steps, save, out, echo,
-                               objective=GrpoObjective(backend, g), evaluate=evaluate)
+                               objective=GrpoObjective(backend, g), evaluate=evaluate, sampler=rollouts)
 
     # -- save, then evaluate what was saved
     save_trained(cfg, backend, handle, out)

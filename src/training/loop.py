@@ -1,12 +1,14 @@
-"""The training loop every recipe shares: steps, logging, checkpoints, held-out checks, resume.
+"""The training loop every recipe shares: steps, checkpoints, held-out checks, resume.
 
 A recipe (sft.py, preference.py, reward.py) sets up its data, model and
 objective, then hands them to `train_loop`. What differs per method comes
 in as two callables: the `objective` the trainer minimises (None: SFT's
 token loss) and `evaluate`, which measures held-out data for early
 stopping. Everything else is written once here: the schedule, gradient
-accumulation, non-finite steps, atomic checkpoints with exact resume,
-Ctrl-C, and the metrics log.
+accumulation, non-finite steps, atomic checkpoints with exact resume and
+Ctrl-C. What the loop measures goes to its callbacks (monitor/callbacks.py):
+metrics.jsonl, the trackers and the progress display unless the recipe
+passes its own list; the loop knows nothing of what they do.
 """
 
 from __future__ import annotations
@@ -16,24 +18,21 @@ import math
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from ..data.tokenizers import save_tokenizer
 from .. import files
 from ..data import Batcher
 from ..distributed import current as current_ranks
 from ..errors import MudpuppyError, OutOfDeviceMemory
-from ..monitor.live import active as active_dashboard
-from ..monitor.progress import plain_progress, progress_bar
+from ..monitor.callbacks import Callback, Callbacks
 from . import checkpoints, outputs
 from .rundir import STAGING_FINAL
 from .schedule import learning_rate
-from .trackers import open_trackers
 
 # Fault injection for the resume tests: SIGKILL this process right after the
 # given step (and its checkpoint) completes, as a crash or OOM kill would; in a
@@ -50,20 +49,9 @@ class Interrupted(MudpuppyError):
     exit_code = 130
 
 
-@dataclass
-class RunResult:
-    output_dir: Path
-    steps: int
-    losses: list[float] = field(default_factory=list)
-    lrs: list[float] = field(default_factory=list)
-    before: object = None         # EvalResult (sft) or a method's own held-out result
-    after: object = None
-    seconds: float = 0.0
-    tokens_per_second: float = 0.0
-    skipped_steps: int = 0
-    stopped_early: bool = False
-    resumed_from: int | None = None
-    model: object = None          # the trained ModelHandle, for generation or further use in Python
+# Moved to outputs.py (what a run returns and writes); kept here for the recipes that import them from the loop
+# (qat.py, gptq.py).
+RunResult, run_summary = outputs.RunResult, outputs.run_summary
 
 
 @dataclass
@@ -91,6 +79,16 @@ class LoopState:
 
 # What `evaluate` returns: the number early stopping watches (lower is better) and what to log.
 Evaluate = Callable[[], tuple[float, dict]]
+
+
+class Sampler(Protocol):
+    """A batcher that makes its batches (GRPO's rollouts) and reports what making them showed."""
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The numbers of batches made during the step that just ran (empty when none were)."""
+
+    def pop_samples(self) -> list[dict]:
+        """A few of the completions those batches were made from (empty when none were)."""
 
 
 def total_steps_for(cfg, batcher: Batcher) -> int:
@@ -139,18 +137,23 @@ class GracefulStop:
 
 
 def train_loop(cfg, trainer, batcher, state: LoopState, steps: int, save, out: Path, echo,
-               objective=None, evaluate: Evaluate | None = None) -> bool:
+               objective=None, evaluate: Evaluate | None = None, callbacks: list[Callback] | None = None,
+               sampler: Sampler | None = None) -> bool:
+    """Run optimizer steps from state.step to `steps`; True when early stopping ended it. `callbacks` hear
+    what happens (default: outputs.run_callbacks, built from the config); `sampler`, when the batcher makes its
+    batches, adds what making them showed to each step's metrics (GRPO passes its rollouts)."""
+    if callbacks is None:
+        callbacks = outputs.run_callbacks(cfg, out, echo)
     with GracefulStop(echo) as stop:
-        return _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, evaluate, stop)
+        return _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, evaluate, stop,
+                          Callbacks(callbacks), sampler)
 
 
-def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, evaluate, stop) -> bool:
-    """Run optimizer steps from state.step to `steps`; True when early stopping ended it."""
+def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, evaluate, stop, report: Callbacks,
+               sampler) -> bool:
     t = cfg.training
-    main = current_ranks().is_main          # in a distributed run rank 0 alone logs
-    log = outputs.MetricsLog(out, truncate_after=state.step, trackers=open_trackers(cfg, out)) if main \
-        else outputs.NoLog()
-    log, bar = watch_progress(cfg, log, steps, state.step, main)
+    report.on_run_start(steps, state.step)
+    record = Record()
     fault_step = fault_injection_step()
     last_saved = state.step
     try:
@@ -173,33 +176,25 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
             state.tokens_seen += res.tokens
             state.losses.append(res.loss)
             state.lrs.append(lr)
-            # A batcher that makes its batches (GRPO's rollouts) reports what making them showed.
-            made = batcher.pop_metrics() if hasattr(batcher, "pop_metrics") else {}
-            # ... and a few of the completions it sampled, which the --tui dashboard shows.
-            samples = batcher.pop_samples() if hasattr(batcher, "pop_samples") else []
-            if samples and hasattr(bar, "show_samples"):
-                bar.show_samples(samples)
+            made = sampler.pop_metrics() if sampler is not None else {}
+            samples = sampler.pop_samples() if sampler is not None else []
+            if samples:
+                report.on_samples(state.step, samples)
             if state.step % cfg.logging.log_every == 0 or state.step == steps:
-                log.write(step=state.step, loss=round(res.loss, 6), lr=lr, tokens=res.tokens,
-                          tokens_per_second=round(res.tokens / dt, 1), grad_norm=res.grad_norm,
-                          skipped=res.skipped, epoch=batcher.epoch,
-                          **{k: rounded(v) for k, v in {**made, **res.metrics}.items()},
-                          **({"time/training": round(dt, 3)} if made else {}))
-            if bar is not None:
-                shown = {"reward": f"{made['reward']:.3f}"} if "reward" in made else {}
-                bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{res.tokens / dt:.0f}", **shown)
-                bar.update(1)
+                report.on_log(record.step_line(state.step, res, lr, dt, batcher.epoch, made))
+            report.on_step_end(state.step, step_metrics(res, lr, dt, batcher.epoch, made))
             if t.eval_steps and state.step % t.eval_steps == 0 and evaluate is not None:
-                if check_patience(cfg, state, evaluate, log, echo):
-                    save(state)
+                if check_patience(cfg, state, evaluate, report, record, echo):
+                    save_and_report(save, state, report)
                     return True
             if t.save_steps and state.step % t.save_steps == 0:
-                save(state)
+                save_and_report(save, state, report)
                 last_saved = state.step
             if fault_step and state.step == fault_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if stop.requested and state.step < steps:
-                path = save(state) if state.step > last_saved else checkpoints.newest_complete(out)
+                path = save_and_report(save, state, report) if state.step > last_saved \
+                    else checkpoints.newest_complete(out)
                 raise Interrupted(f"interrupted after step {state.step}; checkpoint saved to {path}. "
                                   "Continue with: mudpuppy run --config ... --resume")
     except OutOfDeviceMemory as exc:
@@ -216,12 +211,43 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
         raise Interrupted(f"stopped at once during step {state.step + 1}; nothing was saved; {where}. "
                           "Continue with: mudpuppy run --config ... --resume") from None
     finally:
-        if bar is not None:
-            bar.close()
-        log.close()
+        report.on_run_end()
     if t.save_steps and last_saved != state.step:
-        save(state)
+        save_and_report(save, state, report)
     return False
+
+
+class Record:
+    """The lines of the run's record (metrics.jsonl), each with `elapsed`: seconds since the loop started."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def line(self, **fields) -> dict:
+        return {**fields, "elapsed": round(time.perf_counter() - self.start, 3)}
+
+    def step_line(self, step: int, res, lr: float, dt: float, epoch, made: dict) -> dict:
+        """A step's line: rounded, NaN as null; a step that made batches says how long its training took."""
+        return self.line(step=step, loss=round(res.loss, 6), lr=lr, tokens=res.tokens,
+                         tokens_per_second=round(res.tokens / dt, 1), grad_norm=res.grad_norm,
+                         skipped=res.skipped, epoch=epoch,
+                         **{k: rounded(v) for k, v in {**made, **res.metrics}.items()},
+                         **({"time/training": round(dt, 3)} if made else {}))
+
+
+def step_metrics(res, lr: float, dt: float, epoch, made: dict) -> dict:
+    """Every step's numbers as on_step_end gets them: those of its record line, unrounded."""
+    return {"loss": res.loss, "lr": lr, "tokens": res.tokens, "tokens_per_second": res.tokens / dt,
+            "grad_norm": res.grad_norm, "skipped": res.skipped, "epoch": epoch, **made, **res.metrics,
+            **({"time/training": dt} if made else {})}
+
+
+def save_and_report(save, state: LoopState, report: Callbacks):
+    """Write the checkpoint of state.step; the callbacks hear of it once it is complete."""
+    path = save(state)
+    if path is not None:
+        report.on_checkpoint(state.step, Path(path))
+    return path
 
 
 def fault_injection_step() -> int:
@@ -237,11 +263,12 @@ def rounded(value: float) -> float | None:
     return None if value != value else round(value, 6)
 
 
-def check_patience(cfg, state: LoopState, evaluate: Evaluate, log, echo) -> bool:
+def check_patience(cfg, state: LoopState, evaluate: Evaluate, report: Callbacks, record: Record, echo) -> bool:
     """Measure held-out data; True when it has stopped improving for `early_stopping_patience` evals."""
     t = cfg.training
     value, fields = evaluate()
-    log.write(step=state.step, **fields)
+    report.on_eval_end(state.step, fields)
+    report.on_log(record.line(step=state.step, **fields))
     if state.best_eval is None or value < state.best_eval - t.early_stopping_min_delta:
         state.best_eval, state.evals_without_gain = value, 0
     else:
@@ -306,46 +333,3 @@ def staged_final(out: Path):
         yield stage
         if main:
             files.move_into(stage, out)
-
-
-def watch_progress(cfg, log, total: int, done: int, main: bool):
-    """The metrics log and the progress display: the --tui dashboard's while one is drawing (rank 0 only),
-    else progress_bar's. After a dashboard failure, plain lines take over from the step reached."""
-    every, enabled = cfg.logging.progress_every, cfg.logging.progress_bar and main
-    dash = active_dashboard() if main else None
-    if dash is None:
-        return log, progress_bar(total, done, enabled, every)
-
-    def plain(reached: int):
-        return plain_progress(total, reached, every, sys.stderr) if enabled else None
-
-    return dash.watching(log), dash.progress(total, done, plain)
-
-
-def run_summary(cfg, result: RunResult, info, n_train: int, n_val: int, **extra) -> dict:
-    """What run_summary.json holds for every method; a recipe adds its own fields via `extra`. `base` is the
-    exact base as this run resolved it (backends.provenance.base_record): how mudpuppy finds it again, the Hub
-    id the adapter's config names, and where the weights truly came from."""
-    from ..backends.provenance import base_record
-
-    return {
-        "status": "finished",
-        "method": cfg.method,
-        "adapter": info.kind,
-        "base_model": cfg.model.base_model,
-        "base": base_record(cfg.model.base_model, cfg.model.revision),
-        "steps": result.steps,
-        "first_loss": result.losses[0] if result.losses else None,
-        "final_loss": result.losses[-1] if result.losses else None,
-        "skipped_steps": result.skipped_steps,
-        "stopped_early": result.stopped_early,
-        "resumed_from_step": result.resumed_from,
-        "trainable_params": info.trainable_params,
-        "train_examples": n_train,
-        "val_examples": n_val,
-        **extra,
-        "tokens_per_second": round(result.tokens_per_second, 1),
-        "seconds": round(result.seconds, 1),
-        "eval_before": result.before.as_dict() if result.before else None,
-        "eval_after": result.after.as_dict() if result.after else None,
-    }

@@ -1,27 +1,46 @@
-"""The run's output directory: never overwrite a user's finished work by accident.
+"""The run's output directory: never overwrite a user's finished work by accident; what a run writes there.
 
 A run claims its directory before any model loads (claim_output_dir: lock, then decide: new, resume,
 or replace) and takes it once the model and data have loaded (take_output_dir: the replaced run's
-files go, the config copy comes). The marker and the lock live in rundir.py.
+files go, the config copy comes). The marker and the lock live in rundir.py. While it trains, the
+loop reports to `run_callbacks` (metrics.jsonl, the trackers, the progress display: monitor/); at
+the end every recipe returns a `RunResult` and writes `run_summary` with write_summary.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from ..errors import MudpuppyError, OutputExists
 from ..files import write_json_atomic
+from ..monitor.metrics import METRICS, MetricsFile, MetricsLog
 from . import rundir
 
 SUMMARY = "run_summary.json"
-METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
+
+__all__ = ["CONFIG", "METRICS", "SUMMARY", "Claim", "MetricsLog", "RunResult", "claim_output_dir", "claim_dir",
+           "run_callbacks", "run_summary", "start_output_dir", "take_output_dir", "write_config", "write_summary"]
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    before: object = None         # EvalResult (sft) or a method's own held-out result
+    after: object = None
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    skipped_steps: int = 0
+    stopped_early: bool = False
+    resumed_from: int | None = None
+    model: object = None          # the trained ModelHandle, for generation or further use in Python
 
 
 @dataclass
@@ -38,7 +57,7 @@ def claim_output_dir(cfg, overwrite: bool) -> Claim:
     here. In a distributed run rank 0 decides (and holds the lock) and every rank gets its answer, or its
     error, so no two processes clear or write the same directory."""
     from ..distributed import current
-    from .trackers import check_available
+    from ..monitor.trackers import check_available
 
     check_available(list(cfg.logging.report_to))          # a missing tracker stops the run before it starts
     return current().on_main(lambda: claim_dir(cfg.output_dir, overwrite, cfg.resume, cfg))
@@ -152,11 +171,11 @@ def _names(names: list[str], shown: int = 8) -> str:
 
 
 def write_summary(out: Path, data) -> None:
-    """The charts and model card (report.py), then run_summary.json, the last thing a run writes; by rank 0
-    of a distributed run. A chart or card that fails to write costs the run nothing but that file."""
+    """The charts and model card (monitor/report.py), then run_summary.json, the last thing a run writes; by
+    rank 0 of a distributed run. A chart or card that fails to write costs the run nothing but that file."""
     from ..distributed import current
-    from .report import write_run_report
-    from .trackers import close_trackers
+    from ..monitor.report import write_run_report
+    from ..monitor.trackers import close_trackers
 
     if current().is_main:
         try:
@@ -169,48 +188,50 @@ def write_summary(out: Path, data) -> None:
         rundir.end_run(out)             # the run has written its last file: another may use the directory
 
 
+def run_summary(cfg, result: RunResult, info, n_train: int, n_val: int, **extra) -> dict:
+    """What run_summary.json holds for every method; a recipe adds its own fields via `extra`. `base` is the
+    exact base as this run resolved it (backends.provenance.base_record): how mudpuppy finds it again, the Hub
+    id the adapter's config names, and where the weights truly came from."""
+    from ..backends.provenance import base_record
+
+    return {
+        "status": "finished",
+        "method": cfg.method,
+        "adapter": info.kind,
+        "base_model": cfg.model.base_model,
+        "base": base_record(cfg.model.base_model, cfg.model.revision),
+        "steps": result.steps,
+        "first_loss": result.losses[0] if result.losses else None,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "skipped_steps": result.skipped_steps,
+        "stopped_early": result.stopped_early,
+        "resumed_from_step": result.resumed_from,
+        "trainable_params": info.trainable_params,
+        "train_examples": n_train,
+        "val_examples": n_val,
+        **extra,
+        "tokens_per_second": round(result.tokens_per_second, 1),
+        "seconds": round(result.seconds, 1),
+        "eval_before": result.before.as_dict() if result.before else None,
+        "eval_after": result.after.as_dict() if result.after else None,
+    }
+
+
+def run_callbacks(cfg, out: Path, echo) -> list:
+    """What a training loop reports to unless its recipe says otherwise: metrics.jsonl, the trackers of
+    logging.report_to (started with the run's first loop, open until write_summary) and the progress display,
+    the --tui dashboard when one draws for `echo`; rank 0 alone, the other ranks of a distributed run report
+    nothing."""
+    from ..distributed import current
+    from ..monitor.live import progress_display
+    from ..monitor.trackers import open_trackers
+
+    if not current().is_main:
+        return []
+    trackers = open_trackers(cfg, out)
+    return [MetricsFile(out, written=rundir.note_written), *([trackers] if trackers is not None else []),
+            progress_display(cfg.logging, echo)]
+
+
 def write_config(out: Path, cfg) -> None:
     (out / CONFIG).write_text(yaml.safe_dump(cfg.dump(), sort_keys=False), encoding="utf-8")
-
-
-class NoLog:
-    """The metrics log of a rank other than 0 in a distributed run: rank 0 writes the run's log."""
-
-    def write(self, **fields) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class MetricsLog:
-    """One JSON object per line, flushed each time, so a crash keeps everything logged.
-
-    On resume, lines logged after the checkpoint's step (by the run that died)
-    are dropped first, so the file reads as one uninterrupted run.
-    """
-
-    def __init__(self, out: Path, truncate_after: int | None = None, trackers=None):
-        self.trackers = trackers         # trackers.Trackers: each line also goes to logging.report_to
-        self.path = out / METRICS
-        self.start = time.perf_counter()
-        if truncate_after is not None and self.path.exists():
-            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= truncate_after]
-            self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        self.fh = self.path.open("a", encoding="utf-8")
-        rundir.note_written(out)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def write(self, **fields) -> None:
-        fields.setdefault("elapsed", round(self.elapsed(), 3))
-        self.fh.write(json.dumps(fields) + "\n")
-        self.fh.flush()
-        rundir.note_written(self.path.parent)     # checkpoints, adapters, tracker folders join the marker's list
-        if self.trackers is not None:
-            self.trackers.log(fields)
-
-    def close(self) -> None:
-        self.fh.close()

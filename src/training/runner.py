@@ -25,9 +25,9 @@ from ..errors import DataError
 from ..evaluation import ObjectiveEval, evaluate_objective
 from . import outputs
 from .loop import (
-    LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, staged_final,
-    total_steps_for, train_loop,
+    LoopState, checkpoint_writer, restore, resumed_step, save_trained, staged_final, total_steps_for, train_loop,
 )
+from .outputs import RunResult, run_summary
 
 SHOWN = 5      # bad records listed in an error
 ADAPTER_DIR = "adapter"   # where a scalar-head run keeps its adapter, beside the whole model

@@ -22,10 +22,8 @@ from ..data import Batcher, load_data, prepare_sft_data
 from ..evaluation import EvalResult, evaluate, heldout_loss
 from . import outputs
 from .merge import merge_at_end
-from .loop import (
-    LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, save_trained, total_steps_for,
-    train_loop,
-)
+from .loop import LoopState, checkpoint_writer, restore, resumed_step, save_trained, total_steps_for, train_loop
+from .outputs import RunResult, run_summary
 
 
 def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:

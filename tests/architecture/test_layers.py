@@ -28,28 +28,8 @@ ABOVE_BACKENDS = ("training", "evaluation", "monitor", "serving", "export", "cli
 
 KNOWN = {
     # runtime libraries outside backends/
-    "runtime: mudpuppy.quantization.gptq imports torch":
-        "the GPTQ maths; step 1 moves the torch quantization code under backends/torch/",
-    "runtime: mudpuppy.quantization.gptq_format imports torch":
-        "the GPTQ checkpoint format; step 1 (under backends/torch/, mudpuppy.quantization a re-export)",
-    "runtime: mudpuppy.quantization.kernels imports torch":
-        "the seed's 4-bit kernels; step 1 (under backends/torch/)",
-    "runtime: mudpuppy.quantization.qat imports torch":
-        "QAT prepare/convert; step 1 (a protocol QAT pair, torch's under backends/torch/)",
-    "runtime: mudpuppy.quantization.qat imports torchao":
-        "QAT through torchao; step 1 (under backends/torch/)",
-    "runtime: mudpuppy.training.trackers imports torch":
-        "torch.utils.tensorboard's writer; step 3 (trackers become monitor/ callbacks, no torch)",
     "runtime: mudpuppy.export.mlx imports mlx_lm":
         "MLX export calls mlx-lm's converter; step 4 (the backend's capability, not a name branch)",
-    # backends/ importing upward
-    "upward: mudpuppy.backends.mlx.gptq -> training":
-        "a second GPTQ recipe inside the MLX backend; step 1 (one recipe in training/, MLX keeps its mlx-lm call)",
-    "upward: mudpuppy.backends.mlx.gptq -> evaluation":
-        "the same recipe's held-out check; step 1",
-    # import cycles
-    "cycle: backends.mlx.gptq <-> training.gptq":
-        "the two GPTQ recipes call each other; step 1",
 }
 
 
