@@ -43,6 +43,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..config import ConfigError, Issue, RunConfig, _missing_files, _pydantic_issues, _read_yaml, read_source
+from ..configure import SCHEMA_CHECKS
 from ..errors import MudpuppyError, OutputExists
 from ..evaluation import trained
 from ..files import write_json_atomic
@@ -133,7 +134,7 @@ def load_curriculum(source, overrides: list[str] | tuple[str, ...] = (), check_f
         if i and built:
             _carry(merged, built[-1])
         try:
-            cfg = RunConfig.model_validate(merged)
+            cfg = RunConfig.model_validate(merged, context=SCHEMA_CHECKS)
         except ValidationError as exc:
             issues += [Issue(f"{where}.{i_.path}", i_.message) for i_ in _pydantic_issues(exc)]
             continue

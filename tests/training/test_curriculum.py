@@ -68,10 +68,12 @@ def test_each_stage_is_checked_before_anything_trains(tiny_model_dir, tmp_path):
     raw["stages"][1]["backend"] = "tpu"
     raw["stages"][2]["data"]["datasets"][0]["path"] = str(tmp_path / "missing.jsonl")
     raw["stages"][0]["adapter"] = {"r": 8}
+    raw["stages"][1].setdefault("data", {})["chat_template"] = "no-such-template"
     with pytest.raises(ConfigError) as info:
         load_curriculum(raw)
     text = str(info.value)
     assert "stages.1.backend" in text and "'tpu'" in text
+    assert "stages.1.data.chat_template" in text and "no-such-template" in text   # the checks beyond the schema
     assert "stages.2.data.datasets.0.path: file not found" in text
     assert "stages.0.adapter: the adapter carries through the curriculum" in text
     assert not (tmp_path / "c").exists()
