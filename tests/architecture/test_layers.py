@@ -7,9 +7,9 @@ included: an import hidden inside a function is still an import).
 - the import graph has no cycle. A package's `__init__` is left out as a target: `from . import x`
   re-exports would otherwise make every package a cycle with its own modules.
 
-What still breaks the rule is listed in KNOWN with the step of issue 27 that removes it. The test fails
-on a violation not in the list and on a listed one that no longer occurs, so the list can only shrink;
-issue 27 is done when it is empty.
+KNOWN lists violations accepted for now, each with the reason; it has been empty since issue 27 moved the
+last runtime import under backends/. The test fails on a violation not in the list and on a listed one that
+no longer occurs, so the list can only shrink.
 """
 
 from __future__ import annotations
@@ -26,11 +26,7 @@ PKG = "mudpuppy"
 RUNTIMES = ("torch", "mlx", "mlx_lm", "torchao")
 ABOVE_BACKENDS = ("training", "evaluation", "monitor", "serving", "export", "cli", "shortcuts", "launch")
 
-KNOWN = {
-    # runtime libraries outside backends/
-    "runtime: mudpuppy.export.mlx imports mlx_lm":
-        "MLX export calls mlx-lm's converter; step 4 (the backend's capability, not a name branch)",
-}
+KNOWN: dict[str, str] = {}       # empty since issue 27: any violation fails
 
 
 @dataclass
