@@ -258,6 +258,10 @@ class BackendProtocol(Protocol):
 
     ops: ArrayOps
 
+    # -- what this runtime can do, for recipes and tools that must not branch on its name
+    adapter_layouts: tuple[str, ...]    # adapter directories load_adapter reads as they are: "peft", "mlx"
+    transformers_model: bool            # handle.model is a transformers PreTrainedModel (lm-eval drives it)
+
     # -- models
     def load_model(self, model_cfg: "ModelConfig", precision: str = "auto", head: str | None = None,
                    adapter: "AdapterConfig | None" = None) -> ModelHandle:

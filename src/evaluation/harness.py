@@ -24,7 +24,6 @@ from ..errors import MudpuppyError
 from .metrics import Row
 
 INSTALL = "pip install 'mudpuppy[lmeval]'"
-TORCH_BACKENDS = ("cpu", "cuda", "rocm")
 
 
 class TaskError(MudpuppyError):
@@ -110,16 +109,16 @@ def load_tasks(plan: TaskPlan) -> dict:
                         "current directory") from None
 
 
-def check_backend(backend_name: str) -> None:
-    if backend_name not in TORCH_BACKENDS:
+def check_backend(backend) -> None:
+    if not backend.transformers_model:
         raise TaskError(f"--tasks: lm-evaluation-harness drives a transformers (torch) model, and this evaluation "
-                        f"runs on {backend_name}; pass --backend cpu (or cuda, rocm) to run the tasks")
+                        f"runs on {backend.name}; pass --backend cpu (or cuda, rocm) to run the tasks")
 
 
 def run_tasks(backend, handle, plan: TaskPlan, batch_size: int, limit: int | None,
               chat_template: bool = False) -> TaskResults:
     """Every task on the loaded model (its adapter on), lm-eval's metrics as rows."""
-    check_backend(backend.name)
+    check_backend(backend)
     with quiet_lm_eval():
         import lm_eval
         from lm_eval.models.huggingface import HFLM

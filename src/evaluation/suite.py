@@ -290,11 +290,9 @@ def run_eval(targets: list[str], data: str | None, options: EvalOptions | None =
                                       trust_remote_code)
     out_dir = prepare_out_dir(out, columns, overwrite)
     name = backend or next((c.cfg.backend for c in columns if c.kind == "run"), "auto")
-    if options.tasks and name != "auto":
-        harness.check_backend(name)
-    impl = create_backend(name)
+    impl = create_backend(name)                 # a probe: no model loads before the check below
     if options.tasks:
-        harness.check_backend(impl.name)        # "auto" may have picked mlx
+        harness.check_backend(impl)
     echo(f"backend: {impl.name} on {impl.device}; precision {options.precision}")
     if datasets[0] is not None:
         echo(f"data: {datasets[0].name} ({datasets[0].format}, {len(datasets[0].records)} records); "

@@ -97,8 +97,9 @@ class Column:
 
 
 def load_adapter_any_layout(backend, handle, path: Path) -> None:
-    """mlx-lm's layout loads on MLX as it is; the torch backends read PEFT's, so convert a copy first."""
-    if backend.name == "mlx" or detect_format(path) == "peft":
+    """An adapter in a layout the backend reads loads as it is (MLX reads both); otherwise a converted copy
+    in PEFT's layout, which every backend reads."""
+    if detect_format(path) in backend.adapter_layouts:
         backend.load_adapter(handle, str(path))
         return
     with tempfile.TemporaryDirectory(prefix="mudpuppy-eval-adapter-") as tmp:

@@ -44,6 +44,8 @@ from .trainer import MlxTrainer
 
 class MlxBackend:
     name = "mlx"
+    adapter_layouts = ("mlx", "peft")   # adapter_io.py reads both
+    transformers_model = False
 
     def __init__(self, device: str, gpu: bool):
         from .distributed import join

@@ -8,7 +8,6 @@ class does the rest with transformers and PEFT.
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from ..protocol import AdapterInfo
 from ..routing import read_router_aux_coefficient
 from . import logprobs
 from .handle import (HEADS, IGNORE_INDEX, LOSS_CHUNK_TOKENS, SCALAR_HEADS, DevicePlan, TorchModel, attribute_set,
-                     unwrap)
+                     gathered, unwrap)
 from .attach import attach_adapter
 from .trainer import TorchTrainer
 from .attention import attention_kernels, packing_mask
@@ -40,20 +39,10 @@ from .qat import TorchQat
 from .qat_io import is_qat_checkpoint
 from .vision import backbone, is_vision_checkpoint, pixel_inputs
 
-def _gathered(method):
-    """Under FSDP, compute outside a training step sees the root's parameters whole (distributed.py)."""
-    @functools.wraps(method)
-    def wrapper(self, handle, *args, **kwargs):
-        engine = self.engine
-        if engine is None or handle.model is not engine.step_module.model:
-            return method(self, handle, *args, **kwargs)
-        with engine.gathered():
-            return method(self, handle, *args, **kwargs)
-
-    return wrapper
-
 
 class TorchBackend:
+    adapter_layouts, transformers_model = ("peft",), True      # what this runtime can do (protocol.py)
+
     def __init__(self, plan: DevicePlan):
         from .distributed import join
 
@@ -368,7 +357,7 @@ class TorchBackend:
             stack.enter_context(lora_inputs_uncast(self._plain_lora(handle)))
         return stack
 
-    @_gathered
+    @gathered
     def loss_sum(self, handle: TorchModel, batch, router_aux: bool = True) -> tuple[torch.Tensor, int]:
         """Summed cross-entropy over loss-carrying tokens, without full-vocab logits for the rest.
 
@@ -401,20 +390,20 @@ class TorchBackend:
             total = total + logprobs.aux_term(self, base, record, batch) * targets.numel()
         return total, int(targets.numel())
 
-    @_gathered
+    @gathered
     def sequence_logprobs(self, handle: TorchModel, batch, grad: bool = True, router_aux: bool = False):
         return logprobs.sequence_logprobs(self, handle, batch, grad, router_aux)
 
-    @_gathered
+    @gathered
     def reference_logprobs(self, handle: TorchModel, batch) -> torch.Tensor:
         return logprobs.reference_logprobs(self, handle, batch)
 
-    @_gathered
+    @gathered
     def token_logprobs(self, handle: TorchModel, batch, grad: bool = True, temperature: float = 1.0,
                        reference: bool = False, entropy: bool = False, router_aux: bool = False):
         return logprobs.token_logprobs(self, handle, batch, grad, temperature, reference, entropy, router_aux)
 
-    @_gathered
+    @gathered
     def sample(self, handle: TorchModel, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                sampling, seed: int) -> list[list[int]]:
         from .sampling import sample
@@ -433,12 +422,12 @@ class TorchBackend:
 
         return open_decoder(self, handle)
 
-    @_gathered
+    @gathered
     def sequence_scores(self, handle: TorchModel, batch, grad: bool = True) -> torch.Tensor:
         self._require_head(handle, "sequence_classification")
         return logprobs.sequence_scores(self, handle, batch, grad)
 
-    @_gathered
+    @gathered
     def token_scores(self, handle: TorchModel, batch, grad: bool = True) -> torch.Tensor:
         self._require_head(handle, "token_classification")
         return logprobs.token_scores(self, handle, batch, grad)
@@ -449,7 +438,7 @@ class TorchBackend:
             raise MudpuppyError(f"this model was loaded with head {handle.head or 'causal_lm'!r}; "
                                 f"scores need load_model(..., head={head!r})")
 
-    @_gathered
+    @gathered
     @torch.no_grad()
     def evaluate_loss(self, handle: TorchModel, batches) -> tuple[float, int]:
         handle.model.eval()
@@ -460,7 +449,7 @@ class TorchBackend:
             count += n
         return total, count
 
-    @_gathered
+    @gathered
     @torch.no_grad()
     def logits(self, handle: TorchModel, batch) -> np.ndarray:
         handle.model.eval()
@@ -469,7 +458,7 @@ class TorchBackend:
             out = handle.model(**inputs).logits
         return out.float().cpu().numpy()
 
-    @_gathered
+    @gathered
     def generate(self, handle: TorchModel, prompts: list[list[int]], max_new_tokens: int,
                  stop_ids: list[int]) -> list[list[int]]:
         """Greedy decoding, prompts left-padded into one batch (sampling.greedy)."""

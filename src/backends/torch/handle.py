@@ -5,6 +5,7 @@ so the device, distributed and state modules can use these without importing the
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,3 +79,16 @@ def attribute_set(objects: list, name: str, value):
     finally:
         for obj, old in zip(objects, before):
             setattr(obj, name, old)
+
+
+def gathered(method):
+    """Under FSDP, compute outside a training step sees the root's parameters whole (distributed.py)."""
+    @functools.wraps(method)
+    def wrapper(self, handle, *args, **kwargs):
+        engine = self.engine
+        if engine is None or handle.model is not engine.step_module.model:
+            return method(self, handle, *args, **kwargs)
+        with engine.gathered():
+            return method(self, handle, *args, **kwargs)
+
+    return wrapper
