@@ -372,6 +372,11 @@ class BackendProtocol(Protocol):
 
     def seed(self, seed: int) -> None: ...
 
+    def memory_peaks(self) -> dict[str, int] | None:
+        """The device's peak memory in bytes since the previous call ("allocated": what tensors held;
+        "reserved": what the allocator held, where it says), starting a new window; None where the
+        runtime keeps no such count (torch on a CPU: the process's RSS is the number there)."""
+
     # -- quantization recipes
     def plan_gptq(self, gptq_cfg: "GptqConfig") -> GptqPlan:
         """This backend's GPTQ at these settings. Refuses, before anything loads, every setting it cannot

@@ -42,6 +42,7 @@ from ..data import load_data, prepare_data
 from ..distributed import current as current_ranks
 from ..evaluation.heldout import stop_token_ids
 from ..rewards import check_columns, load_reward_functions, parse_reward_specs
+from ..monitor.memory import MemoryPhases
 from . import outputs
 from .agent import build_agent, environment_reward, load_agent, offer_tools, schemas
 from .grpo_loss import GrpoObjective
@@ -104,8 +105,10 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
 
     # -- loop
     save = checkpoint_writer(cfg, backend, handle, trainer, rollouts, out)
+    memory = MemoryPhases(backend)
     stopped_early = train_loop(cfg, trainer, rollouts, state, steps, save, out, echo,
-                               objective=GrpoObjective(backend, g), evaluate=evaluate, sampler=rollouts)
+                               objective=GrpoObjective(backend, g), evaluate=evaluate, sampler=rollouts,
+                               callbacks=[*outputs.run_callbacks(cfg, out, echo), memory])
 
     # -- save, then evaluate what was saved
     save_trained(cfg, backend, handle, out)
@@ -117,6 +120,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         value, after = evaluate()
         echo(f"after training:  held-out reward {-value:.4f}")
     merge_at_end(cfg, backend, out, echo)
+    memory.record("after_training")
     result.seconds = time.perf_counter() - started
     rewards = step_rewards(out) if current_ranks().is_main else []      # rank 0 wrote metrics.jsonl
     summary = run_summary(cfg, result, info, rep.train_examples, rep.val_examples,
@@ -124,7 +128,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
                           final_reward=rewards[-1] if rewards else None)
     summary["eval_before"], summary["eval_after"] = before, after
     result.before, result.after = before, after
-    outputs.write_summary(out, summary)
+    outputs.write_summary(out, outputs.with_memory(summary, memory))
     return result
 
 

@@ -217,6 +217,13 @@ def run_summary(cfg, result: RunResult, info, n_train: int, n_val: int, **extra)
     }
 
 
+def with_memory(summary: dict, memory) -> dict:
+    """The summary with the run's peak device memory per phase (monitor/memory.py), where the backend has it."""
+    if memory.phases:
+        summary["memory"] = memory.phases
+    return summary
+
+
 def run_callbacks(cfg, out: Path, echo) -> list:
     """What a training loop reports to unless its recipe says otherwise: metrics.jsonl, the trackers of
     logging.report_to (started with the run's first loop, open until write_summary) and the progress display,

@@ -23,6 +23,7 @@ from ..data import Batcher, load_data, prepare_data
 from ..data.pairs import Screening, drop_screened, fixed_item_batches, screen_records
 from ..errors import DataError
 from ..evaluation import ObjectiveEval, evaluate_objective
+from ..monitor.memory import MemoryPhases
 from . import outputs
 from .loop import (
     LoopState, checkpoint_writer, restore, resumed_step, save_trained, staged_final, total_steps_for, train_loop,
@@ -105,8 +106,10 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     # -- loop
     save = checkpoint_writer(cfg, backend, handle, trainer, batcher, out)
     evaluate = (lambda: _loss_and_fields(held_out())) if val_batches else None
+    memory = MemoryPhases(backend)
     stopped_early = train_loop(cfg, trainer, batcher, state, steps, save, out, echo,
-                               objective=recipe.objective, evaluate=evaluate)
+                               objective=recipe.objective, evaluate=evaluate,
+                               callbacks=[*outputs.run_callbacks(cfg, out, echo), memory])
 
     # -- save, then evaluate what was saved
     if recipe.head is not None:
@@ -124,9 +127,10 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
         merged = out / "merged"
         backend.merge_and_save(handle, str(merged), cfg.merge_dtype)
         echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")
+    memory.record("after_training")
     result.seconds = time.perf_counter() - started
-    outputs.write_summary(out, summary(cfg, result, info, len(train), len(val), screening,
-                                                              no_room))
+    outputs.write_summary(out, outputs.with_memory(summary(cfg, result, info, len(train), len(val), screening,
+                                                           no_room), memory))
     return result
 
 

@@ -20,6 +20,7 @@ import time
 
 from ..data import Batcher, load_data, prepare_sft_data
 from ..evaluation import EvalResult, evaluate, heldout_loss
+from ..monitor.memory import MemoryPhases
 from . import outputs
 from .merge import merge_at_end
 from .loop import LoopState, checkpoint_writer, restore, resumed_step, save_trained, total_steps_for, train_loop
@@ -58,7 +59,9 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     # -- loop
     save = checkpoint_writer(cfg, backend, handle, trainer, batcher, out)
     held_out = _heldout_evaluator(cfg, backend, handle, data) if data.val else None
-    stopped_early = train_loop(cfg, trainer, batcher, state, steps, save, out, echo, evaluate=held_out)
+    memory = MemoryPhases(backend)
+    stopped_early = train_loop(cfg, trainer, batcher, state, steps, save, out, echo, evaluate=held_out,
+                               callbacks=[*outputs.run_callbacks(cfg, out, echo), memory])
 
     # -- save, then evaluate what was saved
     save_trained(cfg, backend, handle, out)
@@ -70,8 +73,9 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         result.after = evaluate(backend, handle, data, cfg.eval)
         echo(f"after training:  {_describe(result.after)}")
     merge_at_end(cfg, backend, out, echo)
+    memory.record("after_training")
     result.seconds = time.perf_counter() - started
-    outputs.write_summary(out, _summary(cfg, result, info, rep))
+    outputs.write_summary(out, outputs.with_memory(_summary(cfg, result, info, rep), memory))
     return result
 
 

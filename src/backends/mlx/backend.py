@@ -189,6 +189,11 @@ class MlxBackend:
         load_training_state(self, handle, trainer, path)
 
     # ----------------------------------------------------------------- compute
+    def memory_peaks(self) -> dict[str, int]:
+        peak = int(mx.get_peak_memory())
+        mx.reset_peak_memory()
+        return {"allocated": peak}
+
     def seed(self, seed: int) -> None:
         random.seed(seed)
         np.random.seed(seed % 2**32)

@@ -256,6 +256,15 @@ class TorchBackend:
         return TorchQat(qat_cfg)
 
     # ----------------------------------------------------------------- compute
+    def memory_peaks(self) -> dict[str, int] | None:
+        device = self.plan.device
+        if device.type != "cuda":
+            return None
+        peaks = {"allocated": torch.cuda.max_memory_allocated(device),
+                 "reserved": torch.cuda.max_memory_reserved(device)}
+        torch.cuda.reset_peak_memory_stats(device)
+        return peaks
+
     def seed(self, seed: int) -> None:
         random.seed(seed)
         np.random.seed(seed % 2**32)
