@@ -109,31 +109,46 @@ def checkpoint_identity(cfg) -> dict:
 
 
 class GracefulStop:
-    """Ctrl-C handling for the loop: the first press asks to stop after the step in progress,
-    a second press stops at once.
+    """Ctrl-C and SIGTERM handling for the loop: the first signal asks to stop after the step in progress
+    and save a checkpoint, a second one stops at once.
+
+    SIGTERM is how schedulers and clouds stop a job (SLURM's time limit, Kubernetes, a preempted spot
+    instance, `kill`), with SIGKILL after a grace period: the step in progress finishes and its checkpoint
+    is written inside that period where it fits, and `--resume` continues from it.
 
     Stopping between steps is what makes the saved checkpoint exact: mid-step, the
     optimizer update may be half applied and dropout's RNG has moved on, so a
     checkpoint written then would not resume to the run that was interrupted.
     """
 
+    SIGNALS = {signal.SIGINT: ("interrupted", "Ctrl-C", 130), signal.SIGTERM: ("terminated", "SIGTERM", 143)}
+
     def __init__(self, echo):
-        self.echo, self.requested, self.previous = echo, False, None
+        self.echo, self.requested, self.previous, self.received = echo, False, {}, signal.SIGINT
 
     def __enter__(self) -> "GracefulStop":
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
-    def _on_sigint(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        self.echo("\nstopping after this step to save a checkpoint (Ctrl-C again to stop at once, without saving)")
+        self.requested, self.received = True, signum
+        _, name, _ = self.SIGNALS[signum]
+        self.echo(f"\n{name}: stopping after this step to save a checkpoint (Ctrl-C or SIGTERM again to stop at once, "
+                  "without saving)")
+
+    def stopped(self, message: str) -> "Interrupted":
+        """The error that ends the run, named by the signal that asked for it, with its shell exit code."""
+        what, _, code = self.SIGNALS[self.received]
+        error = Interrupted(f"{what} {message}")
+        error.exit_code = code
+        return error
 
 
 def train_loop(cfg, trainer, batcher, state: LoopState, steps: int, save, out: Path, echo,
@@ -195,8 +210,8 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
             if stop.requested and state.step < steps:
                 path = save_and_report(save, state, report) if state.step > last_saved \
                     else checkpoints.newest_complete(out)
-                raise Interrupted(f"interrupted after step {state.step}; checkpoint saved to {path}. "
-                                  "Continue with: mudpuppy run --config ... --resume")
+                raise stop.stopped(f"after step {state.step}; checkpoint saved to {path}. "
+                                   "Continue with: mudpuppy run --config ... --resume")
     except OutOfDeviceMemory as exc:
         # Nothing of this step is saved; the newest complete checkpoint is where a resume starts.
         newest = checkpoints.newest_complete(out)
@@ -208,8 +223,8 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
         # nothing is saved; the newest complete checkpoint is where a resume starts.
         newest = checkpoints.newest_complete(out)
         where = f"the newest complete checkpoint is {newest}" if newest else "no checkpoint had been written yet"
-        raise Interrupted(f"stopped at once during step {state.step + 1}; nothing was saved; {where}. "
-                          "Continue with: mudpuppy run --config ... --resume") from None
+        raise stop.stopped(f"and stopped at once during step {state.step + 1}; nothing was saved; {where}. "
+                           "Continue with: mudpuppy run --config ... --resume") from None
     finally:
         report.on_run_end()
     if t.save_steps and last_saved != state.step:

@@ -96,8 +96,8 @@ class _InterruptingBackend:
     """The cpu backend, with Ctrl-C (a real SIGINT) arriving during the n-th optimizer step;
     `presses=2` presses it twice, which means "stop at once"."""
 
-    def __init__(self, inner, at_call, presses=1):
-        self.inner, self.at_call, self.presses, self.calls = inner, at_call, presses, 0
+    def __init__(self, inner, at_call, presses=1, sig=signal.SIGINT):
+        self.inner, self.at_call, self.presses, self.calls, self.sig = inner, at_call, presses, 0, sig
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -110,7 +110,7 @@ class _InterruptingBackend:
             self.calls += 1
             if self.calls == self.at_call:
                 for _ in range(self.presses):
-                    os.kill(os.getpid(), signal.SIGINT)
+                    os.kill(os.getpid(), self.sig)
             return step(micro, lr)
 
         trainer.step = interrupting
@@ -132,6 +132,19 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(tiny_config, tmp_pat
     resumed = run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None)
     assert resumed.steps == 2 * K and resumed.resumed_from == 3
     np.testing.assert_allclose(resumed.losses, straight.losses, atol=1e-6, rtol=0)
+
+
+def test_sigterm_from_a_scheduler_finishes_the_step_and_saves_like_ctrl_c(tiny_config, tmp_path):
+    """SLURM, Kubernetes and preempted cloud machines stop a job with SIGTERM (then SIGKILL): the step in
+    progress completes and its checkpoint is written; the exit code is the shell's for SIGTERM."""
+    cfg = resume_config(tiny_config, tmp_path / "run")
+    cfg["training"]["save_steps"] = 100
+    with pytest.raises(Interrupted, match="terminated after step 3; checkpoint saved to") as info:
+        run(load_config(cfg), _InterruptingBackend(create_backend("cpu"), at_call=3, sig=signal.SIGTERM),
+            echo=lambda *_: None)
+    assert info.value.exit_code == 143
+    assert [c.name for c in checkpoints.list_checkpoints(tmp_path / "run")] == ["step-00000003"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL          # the handler is gone with the loop
 
 
 def test_second_ctrl_c_stops_at_once_and_saves_nothing_half_done(tiny_config, tmp_path):
