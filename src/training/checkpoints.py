@@ -8,6 +8,9 @@ returns directories with the marker.
 Layout of ``output_dir/checkpoints/step-00000010/``:
 
     weights + optimizer + runtime RNG   written by the backend (save_training_state)
+    portable_state.{json,safetensors}   the same weights and optimizer state, runtime-neutral, and which
+                                        backend wrote them: another runtime resumes from these
+                                        (backends/portable_state.py, docs/backends.md)
     pipeline_state.json                 step, data position, schedule, eval history
     complete.json                       written last; its presence means "complete"; lists every
                                         file of the checkpoint with its size

@@ -238,3 +238,27 @@ def test_early_stopping_ends_the_run_after_patience_runs_out(tiny_config, tmp_pa
     evals = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum("eval_loss" in r for r in evals) == 3
     assert checkpoints.newest_checkpoint(tmp_path / "run").name == "step-00000003"
+
+
+def test_a_checkpoint_written_on_a_gpu_resumes_on_the_cpu_exactly(tiny_config, tmp_path):
+    """trainer.pt of a cuda or rocm run also holds the CUDA generator's state, which a machine without a GPU
+    has no generator to take: the rest resumes (the CPU generator that draws dropout here included)."""
+    import torch
+
+    straight = run(load_config(resume_config(tiny_config, tmp_path / "straight")), create_backend("cpu"),
+                   echo=lambda *_: None)
+    cfg = resume_config(tiny_config, tmp_path / "run")
+    with pytest.raises(Interrupted):
+        run(load_config(cfg), _InterruptingBackend(create_backend("cpu"), at_call=K + 1, presses=2),
+            echo=lambda *_: None)
+    ckpt = checkpoints.newest_checkpoint(tmp_path / "run")
+    state = torch.load(ckpt / "trainer.pt", weights_only=True)
+    torch.save({**state, "cuda_rng": torch.zeros(16, dtype=torch.uint8)}, ckpt / "trainer.pt")
+    marker = json.loads((ckpt / checkpoints.MARKER).read_text())
+    marker["files"]["trainer.pt"] = (ckpt / "trainer.pt").stat().st_size
+    (ckpt / checkpoints.MARKER).write_text(json.dumps(marker))
+    cfg["resume"] = True
+    resumed = run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None)
+    assert resumed.resumed_from == K and resumed.losses == straight.losses
+    written = json.loads((ckpt.parent / f"step-{2 * K:08d}" / "portable_state.json").read_text())["written_by"]
+    assert written == {"runtime": "torch", "backend": "cpu"}
