@@ -6,6 +6,7 @@
     exports   export, merge, convert-adapter  a trained run as something else
     talk      chat, serve                     a model answering, in the terminal or over HTTP
     start     init, backends                  a first config; which runtimes work here
+    parity    parity                          the same run on two runtimes, compared step by step
     common    error handling and the options several verbs share
     tables    the before/after table a run ends with
 
@@ -20,12 +21,13 @@ import click
 from .checks import preprocess, validate
 from .exports import convert_adapter, export, merge
 from .measure import evaluate, score
+from .parity import parity
 from .runs import run, train
 from .start import backends, init
 from .talk import chat, serve
 
 __all__ = ["main", "run", "train", "validate", "preprocess", "evaluate", "score", "export", "merge",
-           "convert_adapter", "chat", "serve", "init", "backends"]
+           "convert_adapter", "chat", "serve", "init", "backends", "parity"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -50,5 +52,5 @@ def _quiet_libraries() -> None:
 
 
 for _verb in (run, train, init, validate, preprocess, merge, score, evaluate, export, chat, serve, backends,
-              convert_adapter):
+              convert_adapter, parity):
     main.add_command(_verb)

@@ -16,8 +16,8 @@ import mudpuppy.cli as cli
 from mudpuppy.cli import main
 from mudpuppy.cli.tables import before_after_table
 
-VERBS = ["backends", "chat", "convert-adapter", "eval", "export", "init", "merge", "preprocess", "run", "score",
-         "serve", "train", "validate"]
+VERBS = ["backends", "chat", "convert-adapter", "eval", "export", "init", "merge", "parity", "preprocess", "run",
+         "score", "serve", "train", "validate"]
 
 
 def test_every_verb_is_registered_and_importable_from_mudpuppy_cli():
