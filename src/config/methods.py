@@ -4,9 +4,9 @@ usable is the check step's (`mudpuppy.configure`): their syntax lives in `reward
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, model_validator
 
 from .base import _Strict, outside_check
 from .training import TrainingConfig
@@ -117,12 +117,22 @@ class GrpoConfig(_Strict):
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
+def power_of_two_group(v: int) -> int:
+    """GPTQ's and QAT's group_size: columns sharing one scale, a power of two, or -1 for one per row."""
+    if v != -1 and (v <= 0 or v & (v - 1)):
+        raise ValueError("group_size: a power of two (32, 64, 128, ...) or -1 for one group per row")
+    return v
+
+
+GroupSize = Annotated[int, AfterValidator(power_of_two_group)]
+
+
 class GptqConfig(_Strict):
     """`method: gptq`: post-training quantization (no optimizer), calibrated on the config's data.
     Names as AutoGPTQ / transformers' GPTQConfig, so configs move over. See docs/quantization.md."""
 
     bits: Literal[2, 3, 4, 8] = 4
-    group_size: int = Field(128, description="columns sharing one scale and zero; -1: one per output row")
+    group_size: GroupSize = Field(128, description="columns sharing one scale and zero; -1: one per output row")
     sym: bool = Field(True, description="symmetric grid (zero point fixed at the middle)")
     desc_act: bool = Field(False, description="act-order: quantize columns in order of decreasing Hessian diagonal")
     damp_percent: float = Field(0.01, gt=0, lt=1, description="added to the Hessian diagonal, as a share of its mean")
@@ -136,31 +146,17 @@ class GptqConfig(_Strict):
     modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="linear layers to quantize (the output head never is)")
 
-    @field_validator("group_size")
-    @classmethod
-    def _group(cls, v: int) -> int:
-        if v != -1 and (v <= 0 or v & (v - 1)):
-            raise ValueError("group_size: a power of two (32, 64, 128, ...) or -1 for one group per row")
-        return v
-
 
 class QatConfig(_Strict):
     """`method: qat`: fine-tuning with fake-quantized weights (and optionally activations), converted at the
     end to a model with real low-bit weights. See docs/quantization.md."""
 
     weight_bits: Literal[4, 8] = 4
-    group_size: int = Field(32, description="weight columns sharing one scale; -1: one per output row")
+    group_size: GroupSize = Field(32, description="weight columns sharing one scale; -1: one per output row")
     activations: Literal["none", "int8"] = Field("none", description="int8: dynamic per-token fake quantization "
                                                                      "of the linear layers' inputs")
     fake_quant_after_n_steps: int | None = Field(
         None, ge=0, description="train this many steps in full precision before fake quantization starts")
-
-    @field_validator("group_size")
-    @classmethod
-    def _group(cls, v: int) -> int:
-        if v != -1 and (v <= 0 or v & (v - 1)):
-            raise ValueError("group_size: a power of two (32, 64, 128, ...) or -1 for one group per row")
-        return v
 
 
 def grpo_batch_problems(grpo: GrpoConfig, training: TrainingConfig) -> list[str]:

@@ -47,17 +47,24 @@ def test_merged_model_matches_the_adapter_and_differs_from_base(tiny_config, tin
     assert np.abs(merged - untouched).max() > 1e-3
 
 
-def test_merge_command_is_idempotent_and_protects_its_output(tiny_config, tmp_path):
-    from safetensors.numpy import load_file
-
-    tiny_config["training"]["max_steps"] = 2
+def trained_then_merged(tiny_config, tmp_path, steps: int):
+    """`mudpuppy run` of the tiny config for `steps` steps, then `mudpuppy merge --dtype float32`; the runner,
+    the config's path and the merge's result."""
+    tiny_config["training"]["max_steps"] = steps
     tiny_config["eval"] = {"before_training": False, "after_training": False}
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(tiny_config))
     runner = CliRunner()
     assert runner.invoke(main, ["run", "-c", str(cfg_path)]).exit_code == 0
-    first = runner.invoke(main, ["merge", "-c", str(cfg_path), "--dtype", "float32"])
-    assert first.exit_code == 0, first.output
+    merged = runner.invoke(main, ["merge", "-c", str(cfg_path), "--dtype", "float32"])
+    assert merged.exit_code == 0, merged.output
+    return runner, cfg_path
+
+
+def test_merge_command_is_idempotent_and_protects_its_output(tiny_config, tmp_path):
+    from safetensors.numpy import load_file
+
+    runner, cfg_path = trained_then_merged(tiny_config, tmp_path, steps=2)
     merged = tmp_path / "run" / "merged" / "model.safetensors"
     weights = load_file(str(merged))
     again = runner.invoke(main, ["merge", "-c", str(cfg_path), "--dtype", "float32"])
@@ -81,14 +88,7 @@ def test_a_merged_model_carries_a_card_and_its_base(tiny_config, tmp_path):
 
     from mudpuppy.export.source import resolve_source
 
-    tiny_config["training"]["max_steps"] = 1
-    tiny_config["eval"] = {"before_training": False, "after_training": False}
-    cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(yaml.safe_dump(tiny_config))
-    runner = CliRunner()
-    assert runner.invoke(main, ["run", "-c", str(cfg_path)]).exit_code == 0
-    merged = runner.invoke(main, ["merge", "-c", str(cfg_path), "--dtype", "float32"])
-    assert merged.exit_code == 0, merged.output
+    trained_then_merged(tiny_config, tmp_path, steps=1)
     out = tmp_path / "run" / "merged"
     card = (out / "README.md").read_text()
     assert "written by `mudpuppy merge`" in card and "## What was trained" in card
