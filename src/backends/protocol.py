@@ -372,6 +372,11 @@ class BackendProtocol(Protocol):
 
     def seed(self, seed: int) -> None: ...
 
+    def host_backend(self) -> "BackendProtocol":
+        """This runtime on the host's own memory, for work that needs no accelerator and would not fit beside
+        a live run on it (the merge at the end of training loads the base again in fp32): itself where the
+        device is host memory (torch on a CPU, MLX's unified memory)."""
+
     def memory_peaks(self) -> dict[str, int] | None:
         """The device's peak memory in bytes since the previous call ("allocated": what tensors held;
         "reserved": what the allocator held, where it says), starting a new window; None where the

@@ -59,10 +59,17 @@ def describe_merge(out: Path, adapter: Path, dtype: str) -> None:
 
 def merge_at_end(cfg, backend, out: Path, echo) -> None:
     """`merge: true`: output_dir/merged, from the saved adapter onto a freshly loaded base, so the
-    merge lands on the full-precision weights whatever precision the base was held in for training."""
+    merge lands on the full-precision weights whatever precision the base was held in for training.
+
+    The base is loaded again in fp32 while the trained model and its optimizer still hold the device
+    (an 8B base is 32 GB more): the merge runs on the host (`backend.host_backend()`), never on a GPU. A
+    QLoRA base rebuilt there gets the same 4-bit codes (quantizing is exact elementwise arithmetic)."""
     from ..distributed import current
 
     # Rank 0 of a distributed run alone: the merge reads the saved adapter, not the sharded model.
     if cfg.merge and cfg.adapter.type != "none" and current().is_main:
-        merged = merge_run(cfg, backend, str(out), str(out / "merged"), cfg.merge_dtype, overwrite=True)
+        host = backend.host_backend()
+        if host is not backend:
+            echo(f"merging on the host ({host.device}): the trained model still holds {backend.device}")
+        merged = merge_run(cfg, host, str(out), str(out / "merged"), cfg.merge_dtype, overwrite=True)
         echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")

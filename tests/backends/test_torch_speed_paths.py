@@ -8,7 +8,7 @@ import torch
 
 from mudpuppy import create_backend, load_config
 from mudpuppy.backends.torch.attach import store_frozen_linears_in as _store_frozen_linears_in
-from mudpuppy.backends.torch.backend import _is_right_padded
+from mudpuppy.backends.torch.forward import _is_right_padded
 from mudpuppy.data import Example, collate
 
 

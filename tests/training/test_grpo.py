@@ -82,11 +82,11 @@ def test_the_output_head_reads_a_contiguous_input_while_generating(backend, hand
 
 
 def test_grpo_micro_batches_get_the_attention_kernel_for_their_shape(backend, handle, monkeypatch):
-    import mudpuppy.backends.torch.backend as torch_backend
+    import mudpuppy.backends.torch.forward as torch_forward
     from mudpuppy.training.grpo_loss import RolloutBatch
 
     shapes = []
-    monkeypatch.setattr(torch_backend, "attention_kernels", lambda device, rows, width, heads: shapes.append(
+    monkeypatch.setattr(torch_forward, "attention_kernels", lambda device, rows, width, heads: shapes.append(
         (rows, width)) or __import__("contextlib").nullcontext())
     batch = completion_batch([[5, 6, 7]] * 2, [[8, 9], [10]], [True, True], 0)
     micro = RolloutBatch(batch, np.zeros(2, np.float32), np.nonzero(batch.labels != -100)[0], None, None)

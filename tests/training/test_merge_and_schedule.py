@@ -179,3 +179,24 @@ def test_other_optimizers_train(tiny_config, optimizer):
         tiny_config["adapter"] = {"type": "none"}
     result = run(load_config(tiny_config), create_backend("cpu"), echo=lambda *_: None)
     assert np.mean(result.losses[-3:]) < np.mean(result.losses[:3]) * 0.9, result.losses
+
+
+def test_the_merge_at_the_end_of_training_runs_on_the_host(tiny_config, monkeypatch):
+    """`merge: true` loads the base again in fp32 while the trained model and optimizer still hold the device:
+    on a GPU it would need the base's fp32 size again in GPU memory, so it runs on the host instead."""
+    from pathlib import Path
+
+    import torch
+    from mudpuppy.backends.torch.backend import DevicePlan, TorchBackend
+    from mudpuppy.training import merge as merge_mod
+
+    used = []
+    monkeypatch.setattr(merge_mod, "merge_run", lambda cfg, backend, *a, **k: used.append(backend) or Path("m"))
+    gpu = TorchBackend(DevicePlan("cuda", torch.device("cuda", 0), torch.bfloat16, precision="bf16"))
+    cpu = create_backend("cpu")
+    assert cpu.host_backend() is cpu
+    tiny_config["merge"] = True
+    lines = []
+    merge_mod.merge_at_end(load_config(tiny_config), gpu, Path("out"), lines.append)
+    assert used[0].plan.device == torch.device("cpu") and used[0] is not gpu
+    assert lines[0] == "merging on the host (cpu): the trained model still holds cuda:0"

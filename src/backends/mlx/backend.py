@@ -189,6 +189,9 @@ class MlxBackend:
         load_training_state(self, handle, trainer, path)
 
     # ----------------------------------------------------------------- compute
+    def host_backend(self) -> "MlxBackend":
+        return self                     # one memory: the GPU's is the host's
+
     def memory_peaks(self) -> dict[str, int]:
         peak = int(mx.get_peak_memory())
         mx.reset_peak_memory()
