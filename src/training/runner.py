@@ -25,6 +25,7 @@ from ..errors import DataError
 from ..evaluation import ObjectiveEval, evaluate_objective
 from ..monitor.memory import MemoryPhases
 from . import outputs
+from .merge import merge_at_end
 from .loop import (
     LoopState, checkpoint_writer, restore, resumed_step, save_trained, staged_final, total_steps_for, train_loop,
 )
@@ -123,10 +124,8 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     if cfg.eval.after_training and val_batches:
         result.after = held_out()
         echo(f"after training:  {result.after.describe()}")
-    if cfg.merge and cfg.adapter.type != "none" and recipe.head is None:
-        merged = out / "merged"
-        backend.merge_and_save(handle, str(merged), cfg.merge_dtype)
-        echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")
+    if recipe.head is None:           # a reward model's output_dir holds the merged model already (save_whole)
+        merge_at_end(cfg, backend, out, echo)
     memory.record("after_training")
     result.seconds = time.perf_counter() - started
     outputs.write_summary(out, outputs.with_memory(summary(cfg, result, info, len(train), len(val), screening,

@@ -226,3 +226,25 @@ def test_resume_continues_exactly_with_a_precomputed_reference(tiny_model_dir, t
     a = [r["loss"] for r in metrics(straight.output_dir) if "loss" in r]
     b = [r["loss"] for r in metrics(resumed.output_dir) if "loss" in r]
     assert a == pytest.approx(b, abs=1e-6) and len(b) == 4
+
+
+def test_a_preference_run_merges_as_sft_does(tiny_model_dir, tmp_path):
+    """merge: true on a DPO run: output_dir/merged from the saved adapter on a fresh fp32 base, with its card,
+    and the logits of the base with the adapter (not a merge into the training-precision weights in place)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from mudpuppy import create_backend, load_config, run
+
+    cfg = preference_config(tiny_model_dir, tmp_path)
+    cfg.update(merge=True, merge_dtype="float32")
+    result = run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None)
+    merged_dir = result.output_dir / "merged"
+    assert "written by `mudpuppy merge`" in (merged_dir / "README.md").read_text()
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    base = AutoModelForCausalLM.from_pretrained(cfg["model"]["base_model"], dtype=torch.float32)
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(base, str(result.output_dir)).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()(ids).logits
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=0)

@@ -255,9 +255,9 @@ class TorchBackend(TorchForward):
     def host_backend(self) -> "TorchBackend":
         if self.plan.device.type == "cpu":
             return self
-        from . import cpu
-
-        return cpu.create(cpu.probe())
+        # fp32 compute: what needs the host (a merge) loads its weights in fp32 anyway.
+        return TorchBackend(DevicePlan("cpu", torch.device("cpu"), None, precision="fp32",
+                                       notes=["host memory, beside a run on the GPU"]))
 
     def memory_peaks(self) -> dict[str, int] | None:
         device = self.plan.device
