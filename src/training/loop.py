@@ -123,12 +123,15 @@ class GracefulStop:
 
     SIGNALS = {signal.SIGINT: ("interrupted", "Ctrl-C", 130), signal.SIGTERM: ("terminated", "SIGTERM", 143)}
 
-    def __init__(self, echo):
+    def __init__(self, echo, distributed: bool = False):
         self.echo, self.requested, self.previous, self.received = echo, False, {}, signal.SIGINT
+        # One rank of several: torchrun / mlx.launch send SIGTERM when a peer failed, and finishing the step
+        # would wait on that peer's collectives; the launcher's SIGTERM keeps its default, ending the rank.
+        self.signals = [signal.SIGINT] if distributed else list(self.SIGNALS)
 
     def __enter__(self) -> "GracefulStop":
         if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in self.signals}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -159,7 +162,7 @@ def train_loop(cfg, trainer, batcher, state: LoopState, steps: int, save, out: P
     batches, adds what making them showed to each step's metrics (GRPO passes its rollouts)."""
     if callbacks is None:
         callbacks = outputs.run_callbacks(cfg, out, echo)
-    with GracefulStop(echo) as stop:
+    with GracefulStop(echo, current_ranks().distributed) as stop:
         return _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, evaluate, stop,
                           Callbacks(callbacks), sampler)
 

@@ -147,6 +147,18 @@ def test_sigterm_from_a_scheduler_finishes_the_step_and_saves_like_ctrl_c(tiny_c
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL          # the handler is gone with the loop
 
 
+def test_one_rank_of_several_leaves_sigterm_to_the_launcher():
+    """torchrun sends SIGTERM to the other ranks when one failed: finishing the step would wait on the dead
+    rank's collectives, so a distributed rank only takes Ctrl-C over."""
+    from mudpuppy.training.loop import GracefulStop
+
+    with GracefulStop(print, distributed=True):
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    with GracefulStop(print, distributed=False):
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+
+
 def test_second_ctrl_c_stops_at_once_and_saves_nothing_half_done(tiny_config, tmp_path):
     cfg = resume_config(tiny_config, tmp_path / "run")
     cfg["training"]["save_steps"] = 2
