@@ -1,5 +1,5 @@
-"""What every runtime's continuous-batching `Decoder` (protocol.py) shares: slots, the step loop and
-the batch-size counts. No runtime here: backends/torch/batch_decode.py and backends/mlx/batch_decode.py
+"""What every runtime's continuous-batching `Decoder` (protocol.py) shares: slots, the step loop,
+the batch-size counts and the rows of a batch that sequences join and leave. No runtime here: backends/torch/batch_decode.py and backends/mlx/batch_decode.py
 supply how a prompt is prefilled, how the sequences' last tokens go through the model, and how one
 token is drawn.
 """
@@ -54,6 +54,43 @@ class SlotDecoder:
     def close(self) -> None:
         self.seqs.clear()
         self.model.train(self.training)
+
+
+class BatchRows:
+    """A batching decoder's rows, written once: a sequence is prefilled alone, in a cache of its own; once
+    its first token is drawn it joins the batch as a row (`rows[r]` is row r's slot), and leaving drops its
+    row. Mixed in before a runtime's SlotDecoder subclass, which supplies, besides prefill, feed and draw,
+
+        join(slots)       those sequences' own caches into the batch, each `seq.cache` then None and its
+                          slot appended to `rows`
+        keep_rows(keep)   the batch cut to the rows listed (indices into `rows` as it was before a removal)
+        drop_batch()      the batch emptied: no rows are left"""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rows: list[int] = []
+
+    def step(self) -> dict[int, int]:
+        out = super().step()
+        self.join([slot for slot, seq in self.seqs.items() if seq.cache is not None])
+        return out
+
+    def remove(self, slot: int) -> None:
+        seq = self.seqs.pop(slot, None)
+        if seq is None or seq.cache is not None:   # unknown, or not in the batch yet
+            return
+        row = self.rows.index(slot)
+        keep = [r for r in range(len(self.rows)) if r != row]
+        self.rows.pop(row)
+        if self.rows:
+            self.keep_rows(keep)
+        else:
+            self.drop_batch()
+
+    def close(self) -> None:
+        self.rows = []
+        self.drop_batch()
+        super().close()
 
 
 def context_length(handle) -> int | None:

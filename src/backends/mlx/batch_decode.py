@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..decoding import SlotDecoder
+from ..decoding import BatchRows, SlotDecoder
 from .generation import last_logits, left_paddable
 from .sampling import draw
 
@@ -72,35 +72,20 @@ class SequenceDecoder(SlotDecoder):
                 seq.logits = last_logits(self.handle, mx.array([[seq.token]]), seq.cache)
 
 
-class BatchDecoder(SequenceDecoder):
+class BatchDecoder(BatchRows, SequenceDecoder):
     """Every joined sequence a row of one left-padded BatchKVCache; one forward pass per step."""
 
     def __init__(self, handle):
         super().__init__(handle)
-        self.rows: list[int] = []
         self.batch: list | None = None    # one BatchKVCache per layer
 
-    def step(self) -> dict[int, int]:
-        out = super().step()
-        self.join([slot for slot, seq in self.seqs.items() if seq.cache is not None])
-        return out
-
-    def remove(self, slot: int) -> None:
-        seq = self.seqs.pop(slot, None)
-        if seq is None or seq.cache is not None:
-            return
-        row = self.rows.index(slot)
-        self.rows.pop(row)
-        if not self.rows:
-            self.batch = None
-            return
-        keep = mx.array([r for r in range(len(self.rows) + 1) if r != row])
+    def keep_rows(self, keep: list[int]) -> None:
+        keep = mx.array(keep)
         for layer in self.batch:
             layer.filter(keep)
 
-    def close(self) -> None:
-        self.rows, self.batch = [], None
-        super().close()
+    def drop_batch(self) -> None:
+        self.batch = None
 
     def feed(self) -> None:
         if not self.rows:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import SlotDecoder
+from ..decoding import BatchRows, SlotDecoder
 from .handle import unwrap
 
 
@@ -152,44 +152,27 @@ class SequenceDecoder(SlotDecoder):
         return int(torch.multinomial(probs, num_samples=1, generator=seq.generator))
 
 
-class BatchDecoder(SequenceDecoder):
+class BatchDecoder(BatchRows, SequenceDecoder):
     """Every joined sequence a row of one left-padded batch; one forward pass per step."""
 
     def __init__(self, backend, handle):
         super().__init__(backend, handle)
         self.base = unwrap(self.model)
-        self.rows: list[int] = []              # slot of each batch row
         self.batch = None                      # the batch's DynamicCache
         self.mask: torch.Tensor | None = None  # [B, T] 1 for real tokens, 0 for padding
 
     def new_cache(self):
         return plain_cache(self.base)
 
-    @torch.no_grad()
-    def step(self) -> dict[int, int]:
-        out = super().step()
-        self.join([slot for slot, seq in self.seqs.items() if seq.cache is not None])
-        return out
-
-    def remove(self, slot: int) -> None:
-        seq = self.seqs.pop(slot, None)
-        if seq is None or seq.cache is not None:   # unknown, or not in the batch yet
-            return
-        row = self.rows.index(slot)
-        keep = [r for r in range(len(self.rows)) if r != row]
-        self.rows.pop(row)
-        if not self.rows:
-            self.batch, self.mask = None, None
-            return
+    def keep_rows(self, keep: list[int]) -> None:
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.mask = self.mask.index_select(0, index)
         for layer in self.batch.layers:
             layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
         self.trim()
 
-    def close(self) -> None:
-        self.rows, self.batch, self.mask = [], None, None
-        super().close()
+    def drop_batch(self) -> None:
+        self.batch, self.mask = None, None
 
     # ----------------------------------------------------------------- the batch
     def feed(self) -> None:
@@ -204,6 +187,7 @@ class BatchDecoder(SequenceDecoder):
         for row, seq in enumerate(seqs):
             seq.logits, seq.length = logits[row], seq.length + 1
 
+    @torch.no_grad()
     def join(self, slots: list[int]) -> None:
         """Sequences prefilled alone become rows of the batch, everything right-aligned."""
         if not slots:
