@@ -15,9 +15,7 @@ import torch
 
 from ..protocol import Availability
 from .backend import TorchBackend
-from .memory import check_memory_options
-from .optimizers import check_optimizer
-from .devices import Gpu, GpuKind, make_deterministic, plan_run, probe_kind, reinstall_command, torch_build
+from .devices import Gpu, GpuKind, plan_gpu_run, probe_kind, reinstall_command, torch_build
 
 CUDA_WHEEL_INDEX = "https://download.pytorch.org/whl/cu128"
 BF16_MIN_CAPABILITY = (8, 0)   # Ampere
@@ -94,9 +92,5 @@ def probe() -> Availability:
 def create(availability: Availability, devices: int | list[int] | None = None,
            precision: str | None = None, memory=None, optimizer: str = "adamw", distributed=None,
            deterministic: bool = False, **_options) -> TorchBackend:
-    check_memory_options(KIND.name, memory, gpu=True)
-    check_optimizer(KIND.name, optimizer, memory)
-    plan = plan_run(KIND, availability, devices, precision, memory, optimizer, distributed)
-    if deterministic:
-        make_deterministic(plan)
-    return TorchBackend(plan)
+    return TorchBackend(plan_gpu_run(KIND, availability, devices, precision, memory, optimizer, distributed,
+                                     deterministic))

@@ -23,6 +23,8 @@ from ...distributed import from_environment, launched
 from ...errors import BackendUnavailable
 from ..protocol import Availability
 from .handle import DevicePlan
+from .memory import check_memory_options
+from .optimizers import check_optimizer
 from .sdpa import attention_report, describe_attention
 
 # torch reads the first of these that is set. PYTORCH_ALLOC_CONF is the newer,
@@ -474,8 +476,21 @@ def plan_run(kind: GpuKind, availability: Availability, devices: int | list[int]
     )
 
 
+def plan_gpu_run(kind: GpuKind, availability: Availability, devices: int | list[int] | None = None,
+                 precision: str | None = None, memory=None, optimizer: str = "adamw", distributed=None,
+                 deterministic: bool = False) -> DevicePlan:
+    """What `create` of rocm.py and cuda.py does before the backend is built: refuse memory options and an
+    optimizer this GPU cannot run before any model loads, then plan the run (and make it deterministic)."""
+    check_memory_options(kind.name, memory, gpu=True)
+    check_optimizer(kind.name, optimizer, memory)
+    plan = plan_run(kind, availability, devices, precision, memory, optimizer, distributed)
+    if deterministic:
+        make_deterministic(plan)
+    return plan
+
+
 __all__ = [
     "Gpu", "GpuKind", "Precision", "attention_report", "check_gpu", "child_environment", "choose_precision",
-    "describe_build", "find_optional_kernels", "plan_run", "probe_kind", "select_device",
+    "describe_build", "find_optional_kernels", "plan_gpu_run", "plan_run", "probe_kind", "select_device",
     "set_allocator_defaults", "survey_gpus", "torch_build", "visibility_env",
 ]

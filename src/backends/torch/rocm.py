@@ -17,15 +17,12 @@ import torch
 from ..protocol import Availability
 from . import kfd, visibility
 from .backend import TorchBackend
-from .memory import check_memory_options
-from .optimizers import check_optimizer
 from .devices import (
-    make_deterministic,
     ALLOW_IGPU_VAR,
     Gpu,
     GpuKind,
     igpu_allowed,
-    plan_run,
+    plan_gpu_run,
     probe_kind,
     reinstall_command,
     torch_build,
@@ -219,9 +216,5 @@ def create(availability: Availability, devices: int | list[int] | None = None,
            precision: str | None = None, memory=None, optimizer: str = "adamw", distributed=None,
            deterministic: bool = False, **_options) -> TorchBackend:
     """One GPU, loaded on the CPU first and moved whole: `device_map="auto"` segfaults with an iGPU present."""
-    check_memory_options(KIND.name, memory, gpu=True)
-    check_optimizer(KIND.name, optimizer, memory)
-    plan = plan_run(KIND, availability, devices, precision, memory, optimizer, distributed)
-    if deterministic:
-        make_deterministic(plan)
-    return TorchBackend(plan)
+    return TorchBackend(plan_gpu_run(KIND, availability, devices, precision, memory, optimizer, distributed,
+                                     deterministic))
