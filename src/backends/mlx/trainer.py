@@ -21,16 +21,14 @@ and why other objectives are refused).
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ...distributed import is_placeholder, sum_step, whole
 from ...errors import MudpuppyError
 from ..protocol import StepResult
+from ..stepping import StepLedger
 from .compiled import CompiledTokenLoss
 from .forward import loss_sum
 from .optimizers import build_optimizer
@@ -84,51 +82,37 @@ class MlxTrainer:
         model.train()
         mx.random.seed(self._step_seed())
         self.steps += 1
-        # A placeholder (a rank left without data at the end of an epoch) contributes nothing.
-        counts = [0 if is_placeholder(b) else objective.count(b) for b in micro_batches]
-        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches if not is_placeholder(b))
-        distributed = self.ranks.distributed
-        if distributed:
+        all_sum = None
+        if self.ranks.distributed:
             from .distributed import all_sum
-
-            loss_tokens = whole(sum(all_sum(counts)))
-        else:
-            loss_tokens = sum(counts)
-        # average_gradients divides by the number of ranks; the sum is what one process computes.
-        scale = self.ranks.world / max(loss_tokens, 1)
-        grads, total, sums, weights = None, 0.0, {}, {}
-        for batch, n in zip(micro_batches, counts):
-            if n == 0:
-                continue  # contributes neither loss nor gradient
-            (_, raw), g = self._value_and_grad(objective, batch, scale)
+        # The step's loss units, of every rank in a distributed run, normalise it (stepping.py says why).
+        ledger = StepLedger(micro_batches, objective, self.ranks, all_sum)
+        grads = None
+        # Gradients are averaged once per step, below: a micro-batch without loss units here is not run.
+        for i in ledger.run_here:
+            (_, raw), g = self._value_and_grad(objective, micro_batches[i], ledger.scale)
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(raw, grads)
-            total += raw.item()
-            for key, value in self._metrics.items():  # a metric may be absent from some micro-batches
-                sums[key] = sums.get(key, 0.0) + value * n
-                weights[key] = weights.get(key, 0) + n
-        if distributed:
-            from .distributed import all_sum, average_gradients
+            ledger.add(i, raw.item(), self._metrics)
+        ledger.finish()
+        if all_sum and ledger.units:
+            from .distributed import average_gradients
 
-            total, tokens, sums, weights = sum_step(self.ranks, all_sum, total, tokens, sums, weights)
-            if loss_tokens:
-                # Every rank takes part in the average, one without loss units this step with zeros.
-                if grads is None:
-                    grads = tree_map(mx.zeros_like, model.trainable_parameters())
-                grads = average_gradients(grads)
-                mx.eval(grads)
-        metrics = {key: value / weights[key] for key, value in sums.items() if weights[key]}
-        mean = total / max(loss_tokens, 1)
-        if grads is None or not loss_tokens:
-            return StepResult(mean, loss_tokens, tokens, 0.0, skipped=True, metrics=metrics)
+            # Every rank takes part in the average, one without loss units this step with zeros.
+            if grads is None:
+                grads = tree_map(mx.zeros_like, model.trainable_parameters())
+            grads = average_gradients(grads)
+            mx.eval(grads)
+        if grads is None or not ledger.units:
+            return ledger.result(0.0, skipped=True)
         grad_norm = global_norm(grads).item()
-        if not (math.isfinite(mean) and math.isfinite(grad_norm)):
-            return StepResult(mean, loss_tokens, tokens, grad_norm, skipped=True, metrics=metrics)
+        if not ledger.finite(grad_norm):
+            return ledger.result(grad_norm, skipped=True)
         grads = clip_by_norm(grads, grad_norm, self.cfg.max_grad_norm)
         self.optimizer.learning_rate = lr
         self.optimizer.update(model, grads)
         mx.eval(model.trainable_parameters(), self.optimizer.state)
-        return StepResult(mean, loss_tokens, tokens, grad_norm, metrics=metrics)
+        return ledger.result(grad_norm)
 
     def _value_and_grad(self, objective, batch, scale: float):
         """((loss * scale, loss), gradients) of one micro-batch: compiled for SFT when asked, else eager."""

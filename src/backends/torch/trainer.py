@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 
-from ...distributed import is_placeholder, sum_step, whole
 from ...errors import MudpuppyError
 from ..protocol import StepResult
+from ..stepping import StepLedger
 
 
 class TorchTrainer:
@@ -54,47 +53,31 @@ class TorchTrainer:
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
         engine, device = self.engine, self.backend.plan.device
-        # Normalise by the count (loss tokens for SFT) of the whole step, so accumulation
-        # over micro-batches gives exactly the gradient of one large batch; in a distributed
-        # run the count of every rank's share, so N ranks give the gradient of one process.
-        counts = [0 if is_placeholder(b) else objective.count(b) for b in micro_batches]
-        step_counts = [whole(c) for c in engine.all_sum(counts, device)] if engine else counts
-        loss_tokens = sum(step_counts)          # may be fractional (GRPO weighs sequences)
-        # Each engine averages gradients over the ranks; the sum over ranks is what one process computes.
-        scale = (engine.ranks.world if engine else 1) / max(loss_tokens, 1)
-        # A micro-batch with no loss units anywhere is skipped by every rank alike; the last one run
-        # synchronises the gradients.
-        runs = [i for i, n in enumerate(step_counts) if n > 0]
-        total, sums, weights = 0.0, {}, {}
+        # The step's loss units, of every rank in a distributed run, normalise it (stepping.py says why).
+        all_sum = (lambda values: engine.all_sum(values, device)) if engine else None
+        ledger = StepLedger(micro_batches, objective, engine.ranks if engine else None, all_sum)
+        # DDP and FSDP synchronise inside the backward pass: every rank runs the micro-batches that have
+        # loss units on any rank, and the last one run synchronises the gradients.
+        runs = ledger.run_by_all
         for i in runs:
-            batch, n = micro_batches[i], counts[i]
-            # A placeholder (a rank left without data at the end of an epoch) runs with weight zero.
-            weight = 0.0 if is_placeholder(batch) else 1.0
+            batch = micro_batches[i]
             with engine.micro_batch(sync=i == runs[-1]) if engine else contextlib.nullcontext(), \
                     self.backend.step_kernels(self.handle, batch, compiled=self.cfg.compile):
                 loss, metrics = self._forward(objective, batch)
-                scaled = loss * (scale * weight)
+                scaled = loss * (ledger.scale * ledger.weight(i))
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += float(loss.detach()) * weight
-            for key, value in (metrics.items() if weight else ()):   # a metric may be absent from some micro-batches
-                sums[key] = sums.get(key, 0.0) + value * n
-                weights[key] = weights.get(key, 0) + n
-        tokens = sum(getattr(b, "real_tokens", 0) for b in micro_batches if not is_placeholder(b))
-        if engine:
-            total, tokens, sums, weights = sum_step(engine.ranks, lambda v: engine.all_sum(v, device),
-                                                    total, tokens, sums, weights)
-        metrics = {key: value / weights[key] for key, value in sums.items() if weights[key]}
-        mean = total / max(loss_tokens, 1)
+            ledger.add(i, float(loss.detach()), metrics)
+        ledger.finish()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip and report the true gradient norm
         clip = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
         grad_norm = (engine.grad_norm(self.params, clip) if engine
                      else float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
-        if not (np.isfinite(mean) and np.isfinite(grad_norm)):
+        if not ledger.finite(grad_norm):
             if self.scaler:
                 self.scaler.update()  # an fp16 overflow: lower the scale and try the next step
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(mean, loss_tokens, tokens, grad_norm, skipped=True, metrics=metrics)
+            return ledger.result(grad_norm, skipped=True)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.scaler:
@@ -102,7 +85,7 @@ class TorchTrainer:
             self.scaler.update()
         else:
             self.optimizer.step()
-        return StepResult(mean, loss_tokens, tokens, grad_norm, metrics=metrics)
+        return ledger.result(grad_norm)
 
     def _forward(self, objective, batch):
         """One micro-batch's summed loss and metrics, through the engine's forward when there is one."""
