@@ -91,6 +91,8 @@ class RunConfig(_Strict):
             # fine-tuning has no such switch, and a frozen copy would double the model's memory.
             problems.append(f"preference.precompute_ref: {pref.type} needs reference log-probs; with adapter.type none set "
                             "preference.precompute_ref: true (computed once from the untrained weights)")
+        if self.training.precision == "fp8" and (fp8 := fp8_problem(self.adapter.type, self.memory.stream_layers)):
+            problems.append(fp8)
         if self.memory.stream_layers and self.adapter.type == "none":
             problems.append("memory.stream_layers: streaming moves frozen base layers; with adapter.type none every "
                             "weight trains (use lora/qlora, or memory.optimizer_offload for full fine-tuning)")
@@ -122,6 +124,20 @@ class RunConfig(_Strict):
         if self.adapter.quant_backend == "mxfp4":        # a group size given with mxfp4 is refused on load
             dumped["adapter"].pop("quant_group_size", None)
         return dumped
+
+
+def fp8_problem(adapter_type: str | None, stream_layers: bool) -> str | None:
+    """Why precision fp8 cannot train this run, or None: fp8 trains the base's plain linear layers with
+    torchao's float8 matmuls, and QLoRA's 4-bit layers and streamed layers are frozen layers it cannot take
+    (torchao would swap them and assign their read-only weight). The config refuses the pair; the torch
+    backend asks again for a model loaded from Python with its own adapter and memory settings."""
+    held = ("adapter.type: qlora keeps them as 4-bit codes" if adapter_type == "qlora"
+            else "memory.stream_layers keeps them in host memory" if stream_layers else None)
+    if held is None:
+        return None
+    return (f"training.precision: fp8 runs the base's linear layers as float8 matmuls, but {held}; "
+            "use precision bf16 for this run, or fp8 with adapter lora / full fine-tuning and without "
+            "memory.stream_layers")
 
 
 def resolve_relative(path: str, source_dir: str | None) -> Path:

@@ -137,3 +137,20 @@ def test_the_config_package_imports_nothing_above_it():
             elif isinstance(node, (ast.Import, ast.ImportFrom)) and "mudpuppy" in ast.unparse(node):
                 above.append(f"{path.name}: {ast.unparse(node)}")
     assert not above, above
+
+
+@pytest.mark.parametrize("adapter, memory, held", [
+    ("qlora", {}, "adapter.type: qlora keeps them as 4-bit codes"),
+    ("lora", {"stream_layers": True}, "memory.stream_layers keeps them in host memory"),
+])
+def test_fp8_with_frozen_base_layers_is_refused_by_the_config(tiny_config, tmp_path, adapter, memory, held):
+    """torchao's float8 swap cannot take QLoRA's 4-bit or streamed layers: refused before any backend starts."""
+    tiny_config["training"]["precision"] = "fp8"
+    tiny_config["adapter"]["type"] = adapter
+    tiny_config["memory"] = memory
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, tiny_config))
+    assert any(p.startswith("training.precision: fp8 runs the base's linear layers") and held in p
+               for p in info.value.problems), info.value.problems
+    tiny_config["adapter"]["type"], tiny_config["memory"] = "lora", {}
+    assert load_config(write(tmp_path, tiny_config)).training.precision == "fp8"

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...config.run import fp8_problem
 from ...data.tokenizers import load_text_tokenizer, save_tokenizer
 from ...errors import MudpuppyError
 from ..adapters import record_base
@@ -24,7 +25,7 @@ from ..routing import read_router_aux_coefficient
 from .handle import HEADS, SCALAR_HEADS, DevicePlan, TorchModel, attribute_set, unwrap
 from .attach import attach_adapter
 from .trainer import TorchTrainer
-from .devices import convert_to_fp8, fp8_problem
+from .devices import convert_to_fp8
 from .forward import TorchForward
 from .loading import compact_dtype, load_model_weights, quiet_if, storage_dtype
 from .frozen import compute_compact_embeddings

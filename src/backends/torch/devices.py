@@ -376,18 +376,6 @@ def choose_fp8(kind: GpuKind, gpu: Gpu) -> Precision:
     return Precision("fp8", torch.bfloat16, False, "asked for; torchao float8 linear layers, bf16 elsewhere")
 
 
-def fp8_problem(adapter_type: str | None, stream_layers: bool) -> str | None:
-    """Why precision fp8 cannot train this run, or None: fp8 trains the base's plain linear layers with
-    torchao's float8 matmuls, and QLoRA's 4-bit layers and streamed layers are frozen layers it cannot take."""
-    held = ("adapter.type: qlora keeps them as 4-bit codes" if adapter_type == "qlora"
-            else "memory.stream_layers keeps them in host memory" if stream_layers else None)
-    if held is None:
-        return None
-    return (f"training.precision: fp8 runs the base's linear layers as float8 matmuls, but {held}; "
-            "use precision bf16 for this run, or fp8 with adapter lora / full fine-tuning and without "
-            "memory.stream_layers")
-
-
 def make_deterministic(plan: DevicePlan) -> None:
     """training.deterministic: every op torch runs picks its deterministic kernel (index_add, SDPA's backward,
     cuBLAS' reductions on a GPU), or the run stops at the first op that has none, naming it. Process-wide, as
