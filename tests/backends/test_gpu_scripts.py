@@ -33,3 +33,26 @@ def test_gpu_smoke_without_a_gpu_says_so_and_exits_2(capsys):
     smoke = load_script("gpu_smoke")
     assert smoke.main(["--steps", "3", "--warmup", "1", "--qlora"]) == smoke.NO_GPU_EXIT
     assert "no CUDA or ROCm GPU here" in capsys.readouterr().err
+
+
+def test_memory_scale_takes_bf16_from_mudpuppys_plan_not_torchs_flag(monkeypatch):
+    """ROCm answers torch.cuda.is_bf16_supported() True on every card, emulated bf16 included; the benchmark asks
+    mudpuppy's plan (the GPU's architecture) so both sides train at the precision mudpuppy would pick."""
+    import types
+
+    import mudpuppy
+    import torch
+    from mudpuppy.backends.torch import devices
+
+    scale = load_script("memory_scale")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(devices, "torch_build", lambda: "rocm")
+    asked = []
+    for precision in ("fp16", "bf16"):
+        def fake_backend(name, precision=precision):
+            asked.append(name)
+            return types.SimpleNamespace(plan=types.SimpleNamespace(precision=precision))
+
+        monkeypatch.setattr(mudpuppy, "create_backend", fake_backend)
+        assert scale.native_bf16(gpu=True) is (precision == "bf16")
+    assert asked == ["rocm", "rocm"]
