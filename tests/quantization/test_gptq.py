@@ -334,6 +334,10 @@ def test_run_writes_the_standard_layout_and_reports_three_losses(gptq_run):
         "checkpoint_format": "gptq"}
     assert read_quantization_config(config, "config.json").desc_act
     tensors = load_file(str(out / "model.safetensors"))
+    assert config["use_cache"] is True
+    kept = {str(t.dtype).removeprefix("torch.") for k, t in tensors.items()
+            if t.is_floating_point() and not k.endswith(".scales")}          # GPTQ's scales are fp16 by its format
+    assert kept == {config["dtype"]}, (kept, config["dtype"])
     q = "model.layers.1.mlp.down_proj"
     assert tensors[f"{q}.qweight"].dtype == torch.int32 and tensors[f"{q}.qweight"].shape == (128 * 4 // 32, 64)
     assert tensors[f"{q}.qzeros"].shape == (4, 64 * 4 // 32) and tensors[f"{q}.scales"].dtype == torch.float16

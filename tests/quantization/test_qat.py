@@ -78,11 +78,13 @@ def test_saved_layout_read_by_an_independent_reader_gives_the_same_logits(tiny_m
     model = tiny_lm(tiny_model_dir, adapter=True)
     layers = prepare_qat(model, QatSpec(4, 32))
     converted = convert_qat(model, layers)
+    converted.config.use_cache = False                   # as a training run loads it
     save_quantized(converted, None, tmp_path / "q")
 
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     qc = config["quantization_config"]
     assert qc["quant_method"] == "mudpuppy_qat" and qc["weight_bits"] == 4 and qc["group_size"] == 32
+    assert config["use_cache"] is True and converted.config.use_cache is False   # written on, left as it was
     tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
     state = {}
     for key, value in tensors.items():

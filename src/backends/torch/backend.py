@@ -22,7 +22,7 @@ from ..models import resolve_model
 from ..provenance import base_record_of_path
 from ..protocol import AdapterInfo
 from ..routing import read_router_aux_coefficient
-from .handle import HEADS, SCALAR_HEADS, DevicePlan, TorchModel, attribute_set, unwrap
+from .handle import HEADS, SCALAR_HEADS, DevicePlan, TorchModel, cache_on, unwrap
 from .attach import attach_adapter
 from .trainer import TorchTrainer
 from .devices import convert_to_fp8
@@ -310,10 +310,3 @@ def enable_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def cache_on(model):
-    """`use_cache: true` in the config.json a saved model carries (training loads it off): the model
-    someone loads from it generates with a KV cache."""
-    configs = [c for c in (model.config, getattr(model.config, "text_config", None)) if c is not None]
-    return attribute_set(configs, "use_cache", True)

@@ -81,6 +81,13 @@ def attribute_set(objects: list, name: str, value):
             setattr(obj, name, old)
 
 
+def cache_on(model):
+    """`use_cache: true` in the config.json a saved model carries (training loads it off): the model
+    someone loads from it generates with a KV cache."""
+    configs = [c for c in (model.config, getattr(model.config, "text_config", None)) if c is not None]
+    return attribute_set(configs, "use_cache", True)
+
+
 def gathered(method):
     """Under FSDP, compute outside a training step sees the root's parameters whole (distributed.py)."""
     @functools.wraps(method)

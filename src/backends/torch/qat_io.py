@@ -33,6 +33,7 @@ from torch import nn
 
 from ...data.tokenizers import save_tokenizer
 from ...errors import MudpuppyError
+from .handle import cache_on
 from .qat_layers import FORMAT_VERSION, QUANT_METHOD, QatSpec
 from .quantized_linear import QuantizedLinear, count_bytes, pack_int4, unpack_int4
 
@@ -45,7 +46,8 @@ def save_quantized(model: nn.Module, tokenizer, path: str | Path) -> int:
     if spec_dict["weight_bits"] == 4:
         for name in spec_dict["modules"]:
             state[f"{name}.qweight"] = pack_int4(state[f"{name}.qweight"])
-    model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
+    with cache_on(model):            # training loaded it with the cache off; whoever loads this generates
+        model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
     if tokenizer is not None:
         save_tokenizer(tokenizer, path)
     return count_bytes(model)
