@@ -167,6 +167,11 @@ class TrainerProtocol(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def release(self) -> None:
+        """After the run's last step and checkpoint: drop the optimizer state and the gradients and give the
+        device's cached memory back, so what follows training (held-out evaluation, the merge) has the memory
+        they held. The trainer takes no step after it."""
+
 
 class Decoder(Protocol):
     """Continuous batching for one loaded model (`BackendProtocol.open_decoder`): sequences join and

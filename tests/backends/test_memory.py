@@ -378,3 +378,34 @@ def test_a_tied_head_upcast_in_row_chunks_matches_the_dense_head():
     grad = torch.randn_like(out)
     (got,) = torch.autograd.grad(out, x, grad)
     torch.testing.assert_close(got, grad @ dense, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer_offload", [False, True])
+def test_a_released_trainer_frees_its_optimizer_state_and_gradients(tiny_config, monkeypatch, optimizer_offload):
+    """After the last checkpoint the optimizer's moments (and offload's master weights) and the last gradients
+    are garbage, and a GPU's caching allocator gives their blocks back (issue 28 item 6)."""
+    import weakref
+
+    from mudpuppy.data import Batcher, load_data, prepare_sft_data
+
+    cfg = load_config(tiny_config)
+    backend = create_backend("cpu")
+    backend.plan.memory = MemoryConfig(optimizer_offload=optimizer_offload)
+    handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter)
+    backend.attach_adapter(handle, cfg.adapter)
+    trainer = backend.create_trainer(handle, cfg.training)
+    data = prepare_sft_data(cfg, handle.tokenizer, load_data(cfg, "sft"))
+    trainer.step([Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id).next_batch()], 1e-3)
+    state = [t for s in trainer.optimizer.state_dict()["state"].values() for t in s.values()
+             if isinstance(t, torch.Tensor) and t.numel() > 1]
+    assert state and all(p.grad is not None for p in trainer.params)
+    held = [weakref.ref(t) for t in state]
+    del state
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    backend.plan.device = torch.device("cuda", 0)            # a stand-in: only the release path reads it
+    trainer.release()
+    assert trainer.optimizer is None and all(p.grad is None for p in trainer.params)
+    assert all(ref() is None for ref in held)
+    assert emptied == [True]

@@ -129,6 +129,11 @@ class MlxTrainer:
     def _step_seed(self) -> int:
         return (self.seed * 1_000_003 + self.steps) % 2**63
 
+    def release(self) -> None:
+        """The optimizer state goes and MLX's buffer cache is emptied, for what follows training."""
+        self.optimizer = None
+        mx.clear_cache()
+
     def state_dict(self) -> dict:
         """Optimizer state as numpy arrays (bf16 widened to float32, exactly, with its dtype noted)."""
         arrays, dtypes = {}, {}

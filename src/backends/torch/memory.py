@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import gc
 import sys
 
 import torch
@@ -29,6 +30,16 @@ def check_memory_options(backend: str, memory, gpu: bool) -> None:
         raise MudpuppyError(
             f"{', '.join(asked)}: the {backend} backend computes in host memory, so there is nothing to move there; "
             "offload and streaming are for ROCm and CUDA GPUs (turn them off on this backend)")
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Collect what only the garbage collector frees (tensors in reference cycles), then, on a GPU, return
+    the caching allocator's unused blocks to the device, for the next phase of the run and for other
+    processes (torch keeps freed blocks reserved otherwise)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 @functools.cache

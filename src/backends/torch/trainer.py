@@ -95,6 +95,16 @@ class TorchTrainer:
 
         return self.engine.forward(compute) if self.engine else compute()
 
+    def release(self) -> None:
+        """The optimizer state (AdamW's two moments, fp32 master weights with optimizer offload) and the last
+        step's gradients go; the GPU's caching allocator hands the blocks they held back to the device."""
+        from .memory import release_device_memory
+
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer = None
+        release_device_memory(self.backend.plan.device)
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), **self.runtime_state()}
 

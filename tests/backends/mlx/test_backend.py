@@ -108,6 +108,20 @@ def test_resume_continues_exactly(tiny_config, mlx_backend, tmp_path):
     assert first + second == straight
 
 
+def test_a_released_trainer_drops_its_optimizer_state_and_mlxs_cache(tiny_config, mlx_backend, monkeypatch):
+    """After the run's last checkpoint the Adam moments go and MLX's buffer cache is emptied (issue 28 item 6)."""
+    cfg = load_config(tiny_config)
+    handle = mlx_backend.load_model(cfg.model, "fp32")
+    mlx_backend.attach_adapter(handle, cfg.adapter)
+    trainer = mlx_backend.create_trainer(handle, cfg.training)
+    trainer.step(training_batches(cfg, handle.tokenizer, steps=1, accumulation=1)[0], 1e-2)
+    assert trainer.state_dict()["optimizer"]
+    cleared = []
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(True))
+    trainer.release()
+    assert trainer.optimizer is None and cleared == [True]
+
+
 @pytest.mark.parametrize("quant_backend, mode", [("int4", "affine"), ("mxfp4", "mxfp4")])
 def test_qlora_trains_lora_on_a_4bit_base(wide_model_dir, mlx_backend, tiny_config, tmp_path, quant_backend, mode):
     from mlx import nn
