@@ -3,7 +3,8 @@ and `mudpuppy eval` (suite.py: targets side by side, report.py: the table, eval.
 
 from .heldout import EvalResult, evaluate, exact_match, heldout_loss
 from .objective import ObjectiveEval, evaluate_objective
+from .result import before_after_table, loss_table
 from .suite import EvalOptions, EvalReport, measure, run_eval
 
-__all__ = ["EvalOptions", "EvalReport", "EvalResult", "ObjectiveEval", "evaluate", "evaluate_objective",
-           "exact_match", "heldout_loss", "measure", "run_eval"]
+__all__ = ["EvalOptions", "EvalReport", "EvalResult", "ObjectiveEval", "before_after_table", "evaluate",
+           "evaluate_objective", "exact_match", "heldout_loss", "loss_table", "measure", "run_eval"]

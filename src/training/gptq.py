@@ -26,7 +26,7 @@ import time
 
 from ..data import load_data, prepare_sft_data
 from ..errors import DataError, MudpuppyError
-from ..evaluation import EvalResult, evaluate
+from ..evaluation import evaluate, loss_table
 from . import outputs
 from .loop import RunResult
 
@@ -56,10 +56,10 @@ def run_gptq(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     original = rtn = None
     if measure and cfg.eval.before_training:
         original = evaluate(backend, handle, data, cfg.eval)
-        echo(f"original:         {_describe(original)}")
+        echo(f"original:         {original.describe()}")
         gptq.round_to_nearest(handle)
         rtn = evaluate(backend, handle, data, cfg.eval)
-        echo(f"round-to-nearest: {_describe(rtn)}")
+        echo(f"round-to-nearest: {rtn.describe()}")
 
     # -- quantize and save (the handle's model is released)
     own = gptq.quantize(handle, cfg.model, [e.input_ids for e in calibration], out, echo)
@@ -73,9 +73,9 @@ def run_gptq(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
                                                                  "revision": None}), cfg.training.precision)
         result.after = evaluate(backend, reread, data, cfg.eval)
         result.model = reread
-        echo(f"{gptq.label + ':':<18}{_describe(result.after)}")
+        echo(f"{gptq.label + ':':<18}{result.after.describe()}")
         if rtn is not None and original is not None and original.loss is not None:
-            echo(_table(original, rtn, result.after))
+            echo(loss_table([("original", original), ("round-to-nearest", rtn), ("GPTQ", result.after)]))
     result.seconds = time.perf_counter() - started
     outputs.write_summary(out, _summary(cfg, result, rtn, own, len(data.train), len(data.val)))
     return result
@@ -88,21 +88,6 @@ def pick_calibration(train: list, count: int, seed: int) -> list:
         return list(train)
     chosen = sorted(random.Random(seed).sample(range(len(train)), count))
     return [train[i] for i in chosen]
-
-
-def _describe(ev: EvalResult) -> str:
-    parts = [f"held-out loss {ev.loss:.4f}"] if ev.loss is not None else []
-    if ev.exact_match is not None:
-        parts.append(f"exact match {ev.exact_match:.1%}")
-    return ", ".join(parts) + f" ({ev.samples} examples)"
-
-
-def _table(original: EvalResult, rtn: EvalResult, gptq: EvalResult) -> str:
-    rows = [("original", original), ("round-to-nearest", rtn), ("GPTQ", gptq)]
-    lines = ["held-out loss      loss     vs original"]
-    for name, ev in rows:
-        lines.append(f"  {name:<16} {ev.loss:.4f}  {ev.loss - original.loss:+.4f}")
-    return "\n".join(lines)
 
 
 def _summary(cfg, result: RunResult, rtn, own: dict, n_train: int, n_val: int) -> dict:

@@ -40,19 +40,17 @@ import numpy as np
 from ..backends.decoding import context_length
 from ..data import load_data, prepare_data
 from ..distributed import current as current_ranks
+from ..evaluation import EvalResult
 from ..evaluation.heldout import stop_token_ids
 from ..rewards import check_columns, load_reward_functions, parse_reward_specs
-from ..monitor.memory import MemoryPhases
 from . import outputs
 from .agent import build_agent, environment_reward, load_agent, offer_tools, schemas
 from .grpo_loss import GrpoObjective
-from .loop import LoopState, checkpoint_writer, restore, resumed_step, save_trained, total_steps_for, train_loop
-from .merge import merge_at_end
-from .outputs import RunResult, run_summary
+from .loop import save_trained, train_loop
+from .outputs import RunResult
 from .reward_models import reward_model_function
 from .rollout import COMPLETIONS, RolloutBatcher, score_completions
-
-EVAL_KEY = "eval_reward"
+from .session import start_run
 
 
 def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
@@ -67,14 +65,12 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     tools, environments = load_agent(cfg)                     # tools and environments import before the model
     funcs += environment_reward(environments, funcs)
     offer_tools(loaded, schemas(tools, environments))
-    claim = outputs.claim_output_dir(cfg, overwrite)          # locked; a run --overwrite replaces stays for now
-    out, resume_from = claim.out, claim.resume_from
-    backend.seed(cfg.training.seed)
-    handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
+    run = start_run(cfg, backend, overwrite, echo, started)   # output_dir locked (a replaced run stays for now), model
+    handle, out = run.handle, run.out
     data = prepare_data(cfg, handle.tokenizer, loaded, method="grpo")
     agent = build_agent(cfg, handle.tokenizer, loaded, data.report, tools, environments,
                         stop_token_ids(handle.tokenizer), context_length(handle))
-    outputs.take_output_dir(cfg, claim, echo)                  # model and data loaded: now the old run goes
+    run.take_output_dir()                                      # model and data loaded: now the old run goes
     rep = data.report
     echo(f"grpo ({g.loss_type}, {g.num_generations} completions a prompt, beta {g.beta}): {rep.train_examples} "
          f"prompts / {rep.val_examples} held-out; {rep.truncated} prompts truncated to data.sequence_len; "
@@ -85,51 +81,29 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
              f"{', an environment per rollout' if environments is not None else ''}; up to "
              f"{g.max_tool_calling_iterations or 'unlimited'} rounds of calls, {g.tool_timeout:g} s a call)")
 
-    info = backend.attach_adapter(handle, cfg.adapter)
-    echo(f"model: {handle.describe()}")
-    echo(f"adapter: {info.describe()}")
-    evaluate = held_out_reward(cfg, backend, handle, data.val, funcs, agent) if data.val else None
-    state = LoopState()
-    if cfg.eval.before_training and evaluate is not None and resume_from is None:
-        value, fields = evaluate()
-        state.before = fields
-        echo(f"before training: held-out reward {-value:.4f} (greedy, {min(len(data.val), cfg.eval.max_samples or len(data.val))} prompts)")
-    trainer = backend.create_trainer(handle, cfg.training)
+    run.attach_adapter()
+    measure = held_out_reward(cfg, backend, handle, data.val, funcs, agent) if data.val else None
+    run.measure_before(measure)
+    trainer = run.create_trainer()
     rollouts = RolloutBatcher(cfg, backend, handle, data.train, funcs, out, agent)
-    steps = total_steps_for(cfg, rollouts)
-    if resume_from is not None:
-        state = restore(cfg, backend, handle, trainer, rollouts, resume_from)
-        if current_ranks().is_main:                              # the one process that writes it
-            truncate_completions(out / COMPLETIONS, state.step)
-        echo(f"resumed from {resume_from} (step {state.step} of {steps})")
+    steps = run.restore(rollouts)                              # a resumed run: weights, optimizer, data position
+    if run.resume_from is not None and current_ranks().is_main:     # the one process that writes it
+        truncate_completions(out / COMPLETIONS, run.state.step)
 
     # -- loop
-    save = checkpoint_writer(cfg, backend, handle, trainer, rollouts, out)
-    memory = MemoryPhases(backend)
-    stopped_early = train_loop(cfg, trainer, rollouts, state, steps, save, out, echo,
+    save = run.checkpoint_writer(rollouts)
+    evaluate = (lambda: measure().for_loop()) if measure is not None else None
+    stopped_early = train_loop(cfg, trainer, rollouts, run.state, steps, save, out, echo,
                                objective=GrpoObjective(backend, g), evaluate=evaluate, sampler=rollouts,
-                               callbacks=[*outputs.run_callbacks(cfg, out, echo), memory])
+                               callbacks=run.callbacks())
 
     # -- save, then evaluate what was saved
     save_trained(cfg, backend, handle, out)
-    result = RunResult(out, state.step, state.losses, state.lrs, skipped_steps=state.skipped,
-                       stopped_early=stopped_early, model=handle, resumed_from=resumed_step(resume_from))
-    before, after = state.before, None
-    result.tokens_per_second = state.tokens_seen / max(state.train_time, 1e-9)
-    if cfg.eval.after_training and evaluate is not None:
-        value, after = evaluate()
-        echo(f"after training:  held-out reward {-value:.4f}")
-    merge_at_end(cfg, backend, out, echo)
-    memory.record("after_training")
-    result.seconds = time.perf_counter() - started
+    result = run.result(stopped_early)
+    result.after = run.measure_after(measure, count=False)
     rewards = step_rewards(out) if current_ranks().is_main else []      # rank 0 wrote metrics.jsonl
-    summary = run_summary(cfg, result, info, rep.train_examples, rep.val_examples,
-                          first_reward=rewards[0] if rewards else None,
-                          final_reward=rewards[-1] if rewards else None)
-    summary["eval_before"], summary["eval_after"] = before, after
-    result.before, result.after = before, after
-    outputs.write_summary(out, outputs.with_memory(summary, memory))
-    return result
+    return run.finish(result, rep.train_examples, rep.val_examples,
+                      first_reward=rewards[0] if rewards else None, final_reward=rewards[-1] if rewards else None)
 
 
 def data_columns(loaded) -> set[str]:
@@ -154,7 +128,7 @@ def held_out_reward(cfg, backend, handle, prompts: list, funcs: list, agent=None
         return [ids + [end_of_turn] if len(ids) < max_new else ids
                 for ids in backend.generate(handle, prompts, max_new, stop)]
 
-    def evaluate() -> tuple[float, dict]:
+    def evaluate() -> EvalResult:
         # In a distributed run rank r takes eval batches r, r+N, ... (the batches one process makes) and
         # scores them; the rewards are gathered, so every rank reaches the same value (early stopping).
         ranks = current_ranks()
@@ -181,11 +155,9 @@ def held_out_reward(cfg, backend, handle, prompts: list, funcs: list, agent=None
                       for i, start in enumerate(range(rank * size, len(chosen), ranks.world * size))}
             r = np.concatenate([pieces[start] for start in sorted(pieces)])
         total = np.nansum(r * weights[None, :], axis=1)
-        value = float(total.mean())
-        fields_out = {EVAL_KEY: round(value, 6)}
-        fields_out.update({f"eval_rewards/{f.name}/mean": round(float(np.nanmean(r[:, i])), 6)
-                           for i, f in enumerate(funcs) if not np.isnan(r[:, i]).all()})
-        return -value, fields_out
+        return EvalResult(reward=float(total.mean()), samples=len(chosen),
+                          rewards={f.name: float(np.nanmean(r[:, i])) for i, f in enumerate(funcs)
+                                   if not np.isnan(r[:, i]).all()})
 
     return evaluate
 

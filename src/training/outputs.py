@@ -4,7 +4,8 @@ A run claims its directory before any model loads (claim_output_dir: lock, then 
 or replace) and takes it once the model and data have loaded (take_output_dir: the replaced run's
 files go, the config copy comes). The marker and the lock live in rundir.py. While it trains, the
 loop reports to `run_callbacks` (metrics.jsonl, the trackers, the progress display: monitor/); at
-the end every recipe returns a `RunResult` and writes `run_summary` with write_summary.
+the end every recipe returns a `RunResult` and writes `run_summary` with write_summary. The recipes call
+these through session.py (start_run, Run.finish).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import MudpuppyError, OutputExists
+from ..evaluation.result import EvalResult
 from ..files import write_json_atomic
 from ..monitor.metrics import METRICS, MetricsFile, MetricsLog
 from . import rundir
@@ -33,8 +35,8 @@ class RunResult:
     steps: int
     losses: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
-    before: object = None         # EvalResult (sft) or a method's own held-out result
-    after: object = None
+    before: EvalResult | None = None      # held-out numbers before training (every method: evaluation/result.py)
+    after: EvalResult | None = None
     seconds: float = 0.0
     tokens_per_second: float = 0.0
     skipped_steps: int = 0
@@ -212,8 +214,8 @@ def run_summary(cfg, result: RunResult, info, n_train: int, n_val: int, **extra)
         **extra,
         "tokens_per_second": round(result.tokens_per_second, 1),
         "seconds": round(result.seconds, 1),
-        "eval_before": result.before.as_dict() if result.before else None,
-        "eval_after": result.after.as_dict() if result.after else None,
+        "eval_before": result.before.as_dict() if result.before is not None else None,
+        "eval_after": result.after.as_dict() if result.after is not None else None,
     }
 
 

@@ -43,13 +43,10 @@ from ..data import Batcher, load_data, prepare_sft_data
 from ..errors import MudpuppyError
 from ..evaluation import EvalResult, evaluate
 from ..files import write_json_atomic
-from . import outputs
-from .loop import (
-    Interrupted, LoopState, RunResult, checkpoint_writer, restore, resumed_step, run_summary, total_steps_for,
-    train_loop,
-)
+from .loop import Interrupted, LoopState, RunResult, train_loop
 from .merge import merge_run
-from .sft import _describe, _heldout_evaluator
+from .session import start_run
+from .sft import describe_data, loss_check, measure_model
 
 BASELINE = "ptq_baseline.json"
 BRANCH_POINT = "qat-branch-point"     # training state where the baseline and QAT part ways (removed after)
@@ -67,54 +64,38 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     # -- setup: data and group-size problems surface before any model loads or anything is written
     loaded = load_data(cfg, "sft")
     qat.check_model(cfg.model)
-    claim = outputs.claim_output_dir(cfg, overwrite)          # locked; a run --overwrite replaces stays for now
-    out, resume_from = claim.out, claim.resume_from
-    backend.seed(cfg.training.seed)
-    handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
+    run = start_run(cfg, backend, overwrite, echo, started)   # output_dir locked (a replaced run stays for now), model
+    handle, out = run.handle, run.out
     data = prepare_sft_data(cfg, handle.tokenizer, loaded)
-    outputs.take_output_dir(cfg, claim, echo)                  # model and data loaded: now the old run goes
-    rep = data.report
-    echo(f"data: {rep.train_examples} train / {rep.val_examples} held-out examples, "
-         f"{rep.loss_token_share:.0%} of tokens carry loss, {rep.truncated} truncated, {rep.dropped} dropped")
-    state = LoopState()
-    if cfg.eval.before_training and data.val and resume_from is None:
-        before = evaluate(backend, handle, data, cfg.eval)
-        state.before = before.as_dict()
-        echo(f"before training: {_describe(before)}")
-
-    info = backend.attach_adapter(handle, cfg.adapter)
-    echo(f"model: {handle.describe()}")
-    echo(f"adapter: {info.describe()}")
+    run.take_output_dir()                                      # model and data loaded: now the old run goes
+    rep = describe_data(data, echo)
+    run.measure_before(measure_model(cfg, backend, handle, data))
+    run.attach_adapter()
     layers = qat.prepare(handle)
     start_fq = cfg.qat.fake_quant_after_n_steps or 0
     echo(f"qat: {layers.describe()}; fake quantization from step {start_fq + 1}")
-    trainer = backend.create_trainer(handle, cfg.training)
+    trainer = run.create_trainer()
     batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
-    steps = total_steps_for(cfg, batcher)
-    held_out = _heldout_evaluator(cfg, backend, handle, data) if data.val else None
+    steps = run.restore(batcher)                               # a resumed run: weights, optimizer, data position
+    held_out = loss_check(cfg, backend, handle, data)
     measured = bool(data.val) and cfg.eval.after_training
 
-    # -- the PTQ baseline, then the loop with fake quantization
+    # -- the PTQ baseline (a resumed run reads the one it measured), then the loop with fake quantization
     baseline = None
-    if resume_from is not None:
-        state = restore(cfg, backend, handle, trainer, batcher, resume_from)
-        echo(f"resumed from {resume_from} (step {state.step} of {steps})")
+    if run.resume_from is not None:
         baseline = _read_baseline(out) if measured else None
     elif measured:
-        state, baseline = _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps,
-                                         min(start_fq, steps), data, out, echo, held_out)
-    save = checkpoint_writer(cfg, backend, handle, trainer, batcher, out)
-    switching = FakeQuantSwitch(trainer, qat, handle, state, start_fq)
-    stopped_early = train_loop(cfg, switching, batcher, state, steps, save, out, echo, evaluate=held_out)
+        run.state, baseline = _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, run.state, steps,
+                                             min(start_fq, steps), data, out, echo, held_out)
+    save = run.checkpoint_writer(batcher)
+    switching = FakeQuantSwitch(trainer, qat, handle, run.state, start_fq)
+    stopped_early = train_loop(cfg, switching, batcher, run.state, steps, save, out, echo, evaluate=held_out)
 
     # -- save the float fine-tune, measure it fake-quantized, convert, save and measure the result
     qat.set_fake_quant(handle, True)
     trained = out / TRAINED
     _save_trained(cfg, backend, handle, trained)
-    result = RunResult(out, state.step, state.losses, state.lrs, skipped_steps=state.skipped,
-                       stopped_early=stopped_early, model=handle, resumed_from=resumed_step(resume_from))
-    result.before = EvalResult(**state.before) if state.before else None
-    result.tokens_per_second = state.tokens_seen / max(state.train_time, 1e-9)
+    result = run.result(stopped_early)
     fake = evaluate(backend, handle, data, cfg.eval) if measured else None
     size = qat.convert(handle, layers, out)
     echo(f"converted model ({qat.description}, {size / 2**20:.1f} MiB) saved to {out}; "
@@ -125,11 +106,8 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     if cfg.merge and cfg.adapter.type != "none":
         merged = merge_run(cfg, backend, str(trained), str(out / "merged"), cfg.merge_dtype, overwrite=True)
         echo(f"merged float model ({cfg.merge_dtype}) saved to {merged}")
-    result.seconds = time.perf_counter() - started
-    outputs.write_summary(out, run_summary(
-        cfg, result, info, rep.train_examples, rep.val_examples,
-        qat=_qat_summary(cfg, layers, baseline, fake, result.after, size, start_fq, steps, measured)))
-    return result
+    return run.finish(result, rep.train_examples, rep.val_examples, merge=False,   # merged above, the float model
+                      qat=_qat_summary(cfg, layers, baseline, fake, result.after, size, start_fq, steps, measured))
 
 
 class FakeQuantSwitch:
@@ -204,7 +182,7 @@ def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, bra
                 "final_train_loss": state.losses[-1] if state.losses else None,
                 "fine_tuned": plain.as_dict(), "ptq": ptq.as_dict()}
     write_json_atomic(out / BASELINE, baseline)
-    echo(f"PTQ baseline: fine-tuned (float) {_describe(plain)}; round-to-nearest {_describe(ptq)}")
+    echo(f"PTQ baseline: fine-tuned (float) {plain.describe()}; round-to-nearest {ptq.describe()}")
     backend.load_training_state(handle, trainer, str(point))
     batcher.load_state_dict(kept["batcher"])
     shutil.rmtree(point)
@@ -226,26 +204,32 @@ def _save_trained(cfg, backend, handle, path) -> None:
         save_tokenizer(handle.tokenizer, path)
 
 
-def _report(echo, grid: str, baseline, fake, converted) -> None:
-    def loss(ev):
-        value = ev.get("loss") if isinstance(ev, dict) else getattr(ev, "loss", None)
-        return "n/a" if value is None else f"{value:.4f}"
+def _baseline_results(baseline: dict | None) -> tuple[EvalResult | None, EvalResult | None]:
+    """The PTQ baseline's float fine-tune and its round-to-nearest quantization, as measured (None: not measured)."""
+    if baseline is None:
+        return None, None
+    return EvalResult.from_dict(baseline["fine_tuned"]), EvalResult.from_dict(baseline["ptq"])
 
-    plain = baseline["fine_tuned"] if baseline else None
-    ptq = baseline["ptq"] if baseline else None
-    echo(f"held-out loss ({grid}): fine-tuned float {loss(plain) if plain else 'not measured'}, "
-         f"PTQ round-to-nearest {loss(ptq) if ptq else 'not measured'}, QAT fake-quantized {loss(fake)}, "
-         f"QAT converted {loss(converted)}")
+
+def _report(echo, grid: str, baseline, fake: EvalResult, converted: EvalResult) -> None:
+    def loss(ev: EvalResult | None) -> str:
+        if ev is None:
+            return "not measured"
+        return "n/a" if ev.loss is None else f"{ev.loss:.4f}"
+
+    plain, ptq = _baseline_results(baseline)
+    echo(f"held-out loss ({grid}): fine-tuned float {loss(plain)}, PTQ round-to-nearest {loss(ptq)}, "
+         f"QAT fake-quantized {loss(fake)}, QAT converted {loss(converted)}")
     if baseline is None:
         echo("PTQ baseline not measured: this run resumed from a checkpoint written without one")
-    echo(f"after conversion: {_describe(converted)}")
+    echo(f"after conversion: {converted.describe()}")
 
 
 def _qat_summary(cfg, layers, baseline, fake, converted, size, start_fq, steps, measured) -> dict:
-    def numbers(ev):
-        ev = ev.as_dict() if hasattr(ev, "as_dict") else ev
-        return None if ev is None else {k: v for k, v in ev.items() if k != "examples"}
+    def numbers(ev: EvalResult | None) -> dict | None:
+        return None if ev is None else {k: v for k, v in ev.as_dict().items() if k != "examples"}
 
+    plain, ptq = _baseline_results(baseline)
     return {
         "weight_bits": cfg.qat.weight_bits, "group_size": cfg.qat.group_size, "activations": cfg.qat.activations,
         "fake_quant_after_n_steps": start_fq, "steps_with_fake_quant": max(0, steps - start_fq),
@@ -253,8 +237,8 @@ def _qat_summary(cfg, layers, baseline, fake, converted, size, start_fq, steps, 
         "ptq_baseline_run": None if baseline is None else {
             k: baseline[k] for k in ("steps", "stopped_early", "final_train_loss")},
         "heldout": None if not measured else {
-            "fine_tuned_float": numbers(baseline["fine_tuned"] if baseline else None),
-            "ptq_round_to_nearest": numbers(baseline["ptq"] if baseline else None),
+            "fine_tuned_float": numbers(plain),
+            "ptq_round_to_nearest": numbers(ptq),
             "qat_fake_quantized": numbers(fake),
             "qat_converted": numbers(converted),
         },

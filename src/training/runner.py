@@ -22,14 +22,10 @@ from ..data.tokenizers import save_tokenizer
 from ..data import Batcher, load_data, prepare_data
 from ..data.pairs import Screening, drop_screened, fixed_item_batches, screen_records
 from ..errors import DataError
-from ..evaluation import ObjectiveEval, evaluate_objective
-from ..monitor.memory import MemoryPhases
-from . import outputs
-from .merge import merge_at_end
-from .loop import (
-    LoopState, checkpoint_writer, restore, resumed_step, save_trained, staged_final, total_steps_for, train_loop,
-)
-from .outputs import RunResult, run_summary
+from ..evaluation import EvalResult, evaluate_objective
+from .loop import save_trained, staged_final, train_loop
+from .outputs import RunResult
+from .session import start_run
 
 SHOWN = 5      # bad records listed in an error
 ADAPTER_DIR = "adapter"   # where a scalar-head run keeps its adapter, beside the whole model
@@ -61,10 +57,8 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     screening = screen_records(loaded.train + loaded.val)
     if screening.bad and recipe.bad_input == "error":
         raise_bad_records(screening, method)
-    claim = outputs.claim_output_dir(cfg, overwrite)          # locked; a run --overwrite replaces stays for now
-    out, resume_from = claim.out, claim.resume_from
-    backend.seed(cfg.training.seed)
-    handle = backend.load_model(cfg.model, cfg.training.precision, head=recipe.head, adapter=cfg.adapter)
+    run = start_run(cfg, backend, overwrite, echo, started, head=recipe.head)   # output_dir locked, model loaded
+    handle, out = run.handle, run.out
     data = prepare_data(cfg, handle.tokenizer, loaded, method=method)
     # An example with no target left after truncation is one whose prompt fills sequence_len.
     no_room = data.report.dropped_no_target
@@ -78,59 +72,39 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     echo(f"{recipe.describe}: {len(train)} train / {len(val)} held-out examples; "
          + describe_drops(screening, no_room, data.report, cfg.data.sequence_len))
     train_items, val_items = recipe.make_items(train, val)
-    outputs.take_output_dir(cfg, claim, echo)                  # model and data loaded: now the old run goes
-
-    info = backend.attach_adapter(handle, cfg.adapter)
-    echo(f"model: {handle.describe()}")
-    echo(f"adapter: {info.describe()}")
+    run.take_output_dir()                                      # model and data loaded: now the old run goes
+    run.attach_adapter()
     if recipe.prepare is not None:
         train_items, val_items = recipe.prepare(backend, handle, train_items, val_items)
     pad = handle.tokenizer.pad_token_id
     evaluated = val_items[: cfg.eval.max_samples or None]
     val_batches = fixed_item_batches(evaluated, cfg.eval.batch_size, pad, recipe.collate)
 
-    def held_out() -> ObjectiveEval:
+    def held_out() -> EvalResult:
         return evaluate_objective(backend, handle, val_batches, recipe.objective, len(evaluated))
 
-    state = LoopState()
-    if cfg.eval.before_training and val_batches and resume_from is None:
-        before = held_out()
-        state.before = before.as_dict()
-        echo(f"before training: {before.describe()}")
-    trainer = backend.create_trainer(handle, cfg.training)
+    measure = held_out if val_batches else None
+    run.measure_before(measure)
+    trainer = run.create_trainer()
     batcher = Batcher.from_config(train_items, cfg, pad, collate_fn=recipe.collate)
-    steps = total_steps_for(cfg, batcher)
-    if resume_from is not None:
-        state = restore(cfg, backend, handle, trainer, batcher, resume_from)
-        echo(f"resumed from {resume_from} (step {state.step} of {steps})")
+    steps = run.restore(batcher)                               # a resumed run: weights, optimizer, data position
 
     # -- loop
-    save = checkpoint_writer(cfg, backend, handle, trainer, batcher, out)
-    evaluate = (lambda: _loss_and_fields(held_out())) if val_batches else None
-    memory = MemoryPhases(backend)
-    stopped_early = train_loop(cfg, trainer, batcher, state, steps, save, out, echo,
-                               objective=recipe.objective, evaluate=evaluate,
-                               callbacks=[*outputs.run_callbacks(cfg, out, echo), memory])
+    save = run.checkpoint_writer(batcher)
+    evaluate = (lambda: held_out().for_loop()) if val_batches else None
+    stopped_early = train_loop(cfg, trainer, batcher, run.state, steps, save, out, echo,
+                               objective=recipe.objective, evaluate=evaluate, callbacks=run.callbacks())
 
     # -- save, then evaluate what was saved
     if recipe.head is not None:
         save_whole(cfg, backend, handle, out, echo)
     else:
         save_trained(cfg, backend, handle, out)
-    result = RunResult(out, state.step, state.losses, state.lrs, skipped_steps=state.skipped,
-                       stopped_early=stopped_early, model=handle, resumed_from=resumed_step(resume_from))
-    result.before = ObjectiveEval.from_dict(state.before) if state.before else None
-    result.tokens_per_second = state.tokens_seen / max(state.train_time, 1e-9)
-    if cfg.eval.after_training and val_batches:
-        result.after = held_out()
-        echo(f"after training:  {result.after.describe()}")
-    if recipe.head is None:           # a reward model's output_dir holds the merged model already (save_whole)
-        merge_at_end(cfg, backend, out, echo)
-    memory.record("after_training")
-    result.seconds = time.perf_counter() - started
-    outputs.write_summary(out, outputs.with_memory(summary(cfg, result, info, len(train), len(val), screening,
-                                                           no_room), memory))
-    return result
+    result = run.result(stopped_early)
+    result.after = run.measure_after(measure)
+    # merge: true, but a reward model's output_dir holds the merged model already (save_whole)
+    return run.finish(result, len(train), len(val), merge=recipe.head is None, objective=method,
+                      dropped=dropped_counts(screening, no_room))
 
 
 def save_whole(cfg, backend, handle, out: Path, echo) -> None:
@@ -153,12 +127,6 @@ def save_whole(cfg, backend, handle, out: Path, echo) -> None:
     echo(f"saved the whole model ({dtype}, adapter merged) to {out}; the adapter alone to {out / ADAPTER_DIR}")
 
 
-def _loss_and_fields(ev: ObjectiveEval) -> tuple[float, dict]:
-    fields = {"eval_loss": round(ev.loss, 6)}
-    fields.update({f"eval_{k}": round(v, 6) for k, v in ev.metrics.items()})
-    return ev.loss, fields
-
-
 def raise_bad_records(screening: Screening, method: str) -> None:
     counts = ", ".join(f"{n} {reason}" for reason, n in screening.counts().items())
     where = "; ".join(f"{src}: {reason}" for src, reason in list(screening.bad.items())[:SHOWN])
@@ -177,7 +145,7 @@ def describe_drops(screening: Screening, no_room: int, report, sequence_len: int
     return f"{dropped}; {report.truncated} truncated"
 
 
-def summary(cfg, result: RunResult, info, n_train: int, n_val: int, screening: Screening, no_room: int) -> dict:
-    dropped = {**screening.counts(), **({"no room within sequence_len": no_room} if no_room else {})}
-    return run_summary(cfg, result, info, n_train, n_val, objective=cfg.data_method(), dropped=dropped)
+def dropped_counts(screening: Screening, no_room: int) -> dict[str, int]:
+    """run_summary.json's `dropped`: examples left out, by reason."""
+    return {**screening.counts(), **({"no room within sequence_len": no_room} if no_room else {})}
 

@@ -20,81 +20,62 @@ import time
 
 from ..data import Batcher, load_data, prepare_sft_data
 from ..evaluation import EvalResult, evaluate, heldout_loss
-from ..monitor.memory import MemoryPhases
-from . import outputs
-from .merge import merge_at_end
-from .loop import LoopState, checkpoint_writer, restore, resumed_step, save_trained, total_steps_for, train_loop
-from .outputs import RunResult, run_summary
+from .loop import save_trained, train_loop
+from .outputs import RunResult
+from .session import start_run
 
 
 def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     started = time.perf_counter()
     # -- setup: data problems surface before any model loads or anything is written
     loaded = load_data(cfg, "sft")
-    claim = outputs.claim_output_dir(cfg, overwrite)          # locked; a run --overwrite replaces stays for now
-    out, resume_from = claim.out, claim.resume_from
-    backend.seed(cfg.training.seed)
-    handle = backend.load_model(cfg.model, cfg.training.precision, adapter=cfg.adapter)
+    run = start_run(cfg, backend, overwrite, echo, started)   # output_dir locked (a replaced run stays for now), model
+    handle = run.handle
     data = prepare_sft_data(cfg, handle.tokenizer, loaded)
-    outputs.take_output_dir(cfg, claim, echo)                  # model and data loaded: now the old run goes
+    run.take_output_dir()                                      # model and data loaded: now the old run goes
+    rep = describe_data(data, echo)
+    measure = measure_model(cfg, backend, handle, data)
+    run.measure_before(measure)
+    run.attach_adapter()
+    trainer = run.create_trainer()
+    batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
+    steps = run.restore(batcher)                               # a resumed run: weights, optimizer, data position
+
+    # -- loop
+    save = run.checkpoint_writer(batcher)
+    held_out = loss_check(cfg, backend, handle, data)
+    stopped_early = train_loop(cfg, trainer, batcher, run.state, steps, save, run.out, echo, evaluate=held_out,
+                               callbacks=run.callbacks())
+
+    # -- save, then evaluate what was saved
+    save_trained(cfg, backend, handle, run.out)
+    result = run.result(stopped_early)
+    result.after = run.measure_after(measure)
+    return run.finish(result, rep.train_examples, rep.val_examples)
+
+
+def describe_data(data, echo):
+    """The data line SFT and QAT print once it is tokenized; returns the data's report."""
     rep = data.report
     echo(f"data: {rep.train_examples} train / {rep.val_examples} held-out examples, "
          f"{rep.loss_token_share:.0%} of tokens carry loss, {rep.truncated} truncated, {rep.dropped} dropped")
-    state = LoopState()
-    if cfg.eval.before_training and data.val and resume_from is None:
-        before = evaluate(backend, handle, data, cfg.eval)
-        state.before = before.as_dict()
-        echo(f"before training: {_describe(before)}")
-
-    info = backend.attach_adapter(handle, cfg.adapter)
-    echo(f"model: {handle.describe()}")
-    echo(f"adapter: {info.describe()}")
-    trainer = backend.create_trainer(handle, cfg.training)
-    batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
-    steps = total_steps_for(cfg, batcher)
-    if resume_from is not None:
-        state = restore(cfg, backend, handle, trainer, batcher, resume_from)
-        echo(f"resumed from {resume_from} (step {state.step} of {steps})")
-
-    # -- loop
-    save = checkpoint_writer(cfg, backend, handle, trainer, batcher, out)
-    held_out = _heldout_evaluator(cfg, backend, handle, data) if data.val else None
-    memory = MemoryPhases(backend)
-    stopped_early = train_loop(cfg, trainer, batcher, state, steps, save, out, echo, evaluate=held_out,
-                               callbacks=[*outputs.run_callbacks(cfg, out, echo), memory])
-
-    # -- save, then evaluate what was saved
-    save_trained(cfg, backend, handle, out)
-    result = RunResult(out, state.step, state.losses, state.lrs, skipped_steps=state.skipped,
-                       stopped_early=stopped_early, model=handle, resumed_from=resumed_step(resume_from))
-    result.before = EvalResult(**state.before) if state.before else None
-    result.tokens_per_second = state.tokens_seen / max(state.train_time, 1e-9)
-    if cfg.eval.after_training and data.val:
-        result.after = evaluate(backend, handle, data, cfg.eval)
-        echo(f"after training:  {_describe(result.after)}")
-    merge_at_end(cfg, backend, out, echo)
-    memory.record("after_training")
-    result.seconds = time.perf_counter() - started
-    outputs.write_summary(out, outputs.with_memory(_summary(cfg, result, info, rep), memory))
-    return result
+    return rep
 
 
-def _heldout_evaluator(cfg, backend, handle, data):
+def measure_model(cfg, backend, handle, data):
+    """The held-out evaluation of SFT and QAT (loss, exact match: eval settings), None without held-out data."""
+    return (lambda: evaluate(backend, handle, data, cfg.eval)) if data.val else None
+
+
+def loss_check(cfg, backend, handle, data):
+    """The loop's held-out check (eval_steps, early stopping) for SFT and QAT: the loss alone; None without
+    held-out data."""
+    if not data.val:
+        return None
+    val = data.val[: cfg.eval.max_samples or None]
+
     def held_out() -> tuple[float, dict]:
-        loss, _ = heldout_loss(backend, handle, data.val[: cfg.eval.max_samples or None], cfg.eval.batch_size)
-        return loss, {"eval_loss": round(loss, 6)}
+        loss, perplexity = heldout_loss(backend, handle, val, cfg.eval.batch_size)
+        return EvalResult(loss=loss, perplexity=perplexity, samples=len(val)).for_loop()
 
     return held_out
-
-
-def _describe(ev: EvalResult) -> str:
-    parts = []
-    if ev.loss is not None:
-        parts.append(f"held-out loss {ev.loss:.4f}")
-    if ev.exact_match is not None:
-        parts.append(f"exact match {ev.exact_match:.1%}")
-    return ", ".join(parts) + f" ({ev.samples} examples)"
-
-
-def _summary(cfg, result: RunResult, info, rep) -> dict:
-    return run_summary(cfg, result, info, rep.train_examples, rep.val_examples)

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 import mudpuppy.cli as cli
 from mudpuppy.cli import main
 from mudpuppy.cli.tables import before_after_table
+from mudpuppy.evaluation import EvalResult
 
 VERBS = ["backends", "chat", "convert-adapter", "eval", "export", "init", "merge", "parity", "preprocess", "run",
          "score", "serve", "train", "validate"]
@@ -79,8 +80,8 @@ def test_cli_run_with_unavailable_backend_exits_2(tiny_config, tmp_path):
 
 
 def test_the_table_shows_what_either_evaluation_measured():
-    before = SimpleNamespace(loss=2.0, exact_match=0.25, accuracy=None)
-    after = SimpleNamespace(loss=1.5, exact_match=None, accuracy=None)
+    before = EvalResult(loss=2.0, exact_match=0.25, samples=4)
+    after = EvalResult(loss=1.5, samples=4)
     lines = before_after_table(SimpleNamespace(before=before, after=after)).splitlines()
     assert lines[0].split() == ["before", "after"]
     assert set(lines[1]) == {"-"} and len(lines[1]) == len(lines[0])
@@ -90,7 +91,16 @@ def test_the_table_shows_what_either_evaluation_measured():
 
 
 def test_the_table_names_grpo_rewards_and_is_empty_without_evaluations():
-    key = "eval_rewards/exact_match/mean"
-    result = SimpleNamespace(before={key: 0.5}, after={key: 0.75})
-    assert before_after_table(result).splitlines()[2].split() == ["exact_match", "0.500", "0.750"]
+    before = EvalResult(reward=0.25, rewards={"exact_match": 0.5}, samples=2)
+    after = EvalResult(reward=0.5, rewards={"exact_match": 0.75, "length": 0.1}, samples=2)
+    lines = before_after_table(SimpleNamespace(before=before, after=after)).splitlines()
+    assert [line.split() for line in lines[2:]] == [["reward", "0.250", "0.500"], ["exact_match", "0.500", "0.750"],
+                                                    ["length", "-", "0.100"]]
     assert before_after_table(SimpleNamespace(before=None, after=None)) == ""
+
+
+def test_the_table_names_an_objectives_accuracy():
+    before = EvalResult(loss=0.6931, accuracy=0.5, accuracy_name="reward_accuracy", metrics={}, samples=8)
+    lines = before_after_table(SimpleNamespace(before=before, after=None)).splitlines()
+    assert [line.split() for line in lines[2:]] == [["held-out", "loss", "0.6931", "-"],
+                                                    ["reward", "accuracy", "50.0%", "-"]]
