@@ -2,8 +2,9 @@
 
 Phases: `load` (everything before the first step: the model, the adapter, the evaluation before
 training), `first_step` (the first optimizer step, where optimizer state and compiled kernels appear),
-`training` (every later step: the steady state), `after_training` (the evaluation after training and
-the merge, written by the recipe). Each is the backend's `memory_peaks()` over that window: torch's
+`training` (every later step: the steady state), `after_training` (the evaluation after training, once the
+trainer has released its optimizer state and gradients) and `merge` (merge: true, on the host beside a GPU
+run: the device's peak while it ran), both written by the recipe (training/session.py). Each is the backend's `memory_peaks()` over that window: torch's
 max_memory_allocated / max_memory_reserved on a GPU, mlx's peak memory; nothing on a torch CPU run, where
 the process's RSS is the measure (the --tui dashboard shows it).
 """

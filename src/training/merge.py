@@ -57,19 +57,22 @@ def describe_merge(out: Path, adapter: Path, dtype: str) -> None:
     (out / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
-def merge_at_end(cfg, backend, out: Path, echo) -> None:
-    """`merge: true`: output_dir/merged, from the saved adapter onto a freshly loaded base, so the
-    merge lands on the full-precision weights whatever precision the base was held in for training.
+def merge_at_end(cfg, backend, out: Path, echo, adapter: Path | None = None, what: str = "merged model") -> bool:
+    """`merge: true`: output_dir/merged, from the saved adapter (`adapter`, default output_dir) onto a freshly
+    loaded base, so the merge lands on the full-precision weights whatever precision the base was held in for
+    training. Returns whether it merged.
 
-    The base is loaded again in fp32 while the trained model and its optimizer still hold the device
-    (an 8B base is 32 GB more): the merge runs on the host (`backend.host_backend()`), never on a GPU. A
-    QLoRA base rebuilt there gets the same 4-bit codes (quantizing is exact elementwise arithmetic)."""
+    The base is loaded again in fp32 while the trained model still holds the device (an 8B base is 32 GB
+    more): the merge runs on the host (`backend.host_backend()`), never on a GPU. A QLoRA base rebuilt there
+    gets the same 4-bit codes (quantizing is exact elementwise arithmetic)."""
     from ..distributed import current
 
     # Rank 0 of a distributed run alone: the merge reads the saved adapter, not the sharded model.
-    if cfg.merge and cfg.adapter.type != "none" and current().is_main:
-        host = backend.host_backend()
-        if host is not backend:
-            echo(f"merging on the host ({host.device}): the trained model still holds {backend.device}")
-        merged = merge_run(cfg, host, str(out), str(out / "merged"), cfg.merge_dtype, overwrite=True)
-        echo(f"merged model ({cfg.merge_dtype}) saved to {merged}")
+    if not (cfg.merge and cfg.adapter.type != "none" and current().is_main):
+        return False
+    host = backend.host_backend()
+    if host is not backend:
+        echo(f"merging on the host ({host.device}): the trained model still holds {backend.device}")
+    merged = merge_run(cfg, host, str(adapter or out), str(out / "merged"), cfg.merge_dtype, overwrite=True)
+    echo(f"{what} ({cfg.merge_dtype}) saved to {merged}")
+    return True

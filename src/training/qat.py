@@ -44,7 +44,7 @@ from ..errors import MudpuppyError
 from ..evaluation import EvalResult, evaluate
 from ..files import write_json_atomic
 from .loop import Interrupted, LoopState, RunResult, train_loop
-from .merge import merge_run
+from .merge import merge_at_end
 from .session import start_run
 from .sft import describe_data, loss_check, measure_model
 
@@ -103,9 +103,7 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     if measured:
         result.after = evaluate(backend, handle, data, cfg.eval)
         _report(echo, qat.description, baseline, fake, result.after)
-    if cfg.merge and cfg.adapter.type != "none":
-        merged = merge_run(cfg, backend, str(trained), str(out / "merged"), cfg.merge_dtype, overwrite=True)
-        echo(f"merged float model ({cfg.merge_dtype}) saved to {merged}")
+    merge_at_end(cfg, backend, out, echo, adapter=trained, what="merged float model")   # on the host
     return run.finish(result, rep.train_examples, rep.val_examples, merge=False,   # merged above, the float model
                       qat=_qat_summary(cfg, layers, baseline, fake, result.after, size, start_fq, steps, measured))
 

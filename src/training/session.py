@@ -103,7 +103,11 @@ class Run:
         return [*outputs.run_callbacks(self.cfg, self.out, self.echo), self.memory]
 
     def result(self, stopped_early: bool) -> RunResult:
-        """What the loop did, with the numbers from before training (from the checkpoint when resumed)."""
+        """What the loop did, with the numbers from before training (from the checkpoint when resumed). The
+        trained weights are saved and the last checkpoint written: the trainer releases its optimizer state
+        and gradients, so the evaluation and the merge after training have that memory."""
+        if self.trainer is not None:
+            self.trainer.release()
         state = self.state
         result = RunResult(self.out, state.step, state.losses, state.lrs, skipped_steps=state.skipped,
                            stopped_early=stopped_early, model=self.handle, resumed_from=resumed_step(self.resume_from))
@@ -120,13 +124,13 @@ class Run:
         return after
 
     def finish(self, result: RunResult, n_train: int, n_val: int, merge: bool = True, **extra) -> RunResult:
-        """merge: true (`merge` False: the recipe merges its own way, or has nothing to merge), the memory
-        after training, the run's time, then run_summary.json with the recipe's `extra` fields: the last
-        file a run writes."""
-        if merge:
-            merge_at_end(self.cfg, self.backend, self.out, self.echo)
+        """The memory of the evaluation after training, merge: true (`merge` False: the recipe merges its own
+        way, or has nothing to merge) and its memory, the run's time, then run_summary.json with the recipe's
+        `extra` fields: the last file a run writes."""
         if self.memory is not None:
             self.memory.record("after_training")
+        if merge and merge_at_end(self.cfg, self.backend, self.out, self.echo) and self.memory is not None:
+            self.memory.record("merge")
         result.seconds = time.perf_counter() - self.started
         summary = outputs.run_summary(self.cfg, result, self.info, n_train, n_val, **extra)
         outputs.write_summary(self.out, summary if self.memory is None else outputs.with_memory(summary, self.memory))

@@ -51,7 +51,8 @@ def test_an_mlx_run_records_its_peak_memory_per_phase(tiny_config):
     tiny_config.update(backend="mlx")
     tiny_config["training"]["max_steps"] = 3
     tiny_config["eval"] = {"before_training": False, "after_training": True}
+    tiny_config["merge"] = True
     result = run(load_config(tiny_config), create_backend("mlx"), echo=lambda *_: None)
     memory = json.loads((result.output_dir / "run_summary.json").read_text())["memory"]
-    assert list(memory) == ["load", "first_step", "training", "after_training"]
+    assert list(memory) == ["load", "first_step", "training", "after_training", "merge"]
     assert all(phase["allocated"] > 0 for phase in memory.values())

@@ -200,3 +200,11 @@ def test_the_merge_at_the_end_of_training_runs_on_the_host(tiny_config, monkeypa
     merge_mod.merge_at_end(load_config(tiny_config), gpu, Path("out"), lines.append)
     assert used[0].plan.device == torch.device("cpu") and used[0] is not gpu
     assert lines[0] == "merging on the host (cpu): the trained model still holds cuda:0"
+    # QAT merges its float fine-tune (output_dir/trained) the same way, on the host
+    args = []
+    monkeypatch.setattr(merge_mod, "merge_run", lambda cfg, backend, *a, **k: args.append((backend, a)) or Path("m"))
+    lines.clear()
+    assert merge_mod.merge_at_end(load_config(tiny_config), gpu, Path("out"), lines.append, adapter=Path("out/trained"),
+                                  what="merged float model")
+    assert args[0][0] is not gpu and args[0][1][:2] == ("out/trained", "out/merged")
+    assert lines[1] == "merged float model (bfloat16) saved to m"

@@ -51,3 +51,28 @@ def test_a_resumed_run_measures_nothing_before_and_eval_flags_are_honoured(tmp_p
     assert run.measure_after(None) is None                     # no held-out data
     assert run.measure_after(lambda: REWARD, count=False) is REWARD
     assert lines == ["after training:  held-out reward 0.2500"]
+
+
+def test_the_trainer_releases_its_memory_after_the_last_checkpoint_and_before_the_evaluation(tiny_config, monkeypatch):
+    """Issue 28 item 6: the optimizer state and gradients go once the final checkpoint and the trained weights
+    are written, before the evaluation after training and the merge."""
+    from mudpuppy import create_backend, load_config, run
+    from mudpuppy.backends.torch.trainer import TorchTrainer
+    from mudpuppy.training import session
+
+    events = []
+    real_release = TorchTrainer.release
+
+    def release(self):
+        out = Path(tiny_config["output_dir"])
+        events.append(("release", (out / "checkpoints").is_dir(), (out / "adapter_model.safetensors").is_file()))
+        real_release(self)
+
+    real_measure = session.Run.measure_after
+    monkeypatch.setattr(TorchTrainer, "release", release)
+    monkeypatch.setattr(session.Run, "measure_after",
+                        lambda self, *a, **k: events.append(("evaluate", self.trainer.optimizer is None))
+                        or real_measure(self, *a, **k))
+    tiny_config["training"].update(max_steps=2, save_steps=2)
+    run(load_config(tiny_config), create_backend("cpu"), echo=lambda *_: None)
+    assert events == [("release", True, True), ("evaluate", True)]
