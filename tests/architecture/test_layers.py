@@ -4,6 +4,7 @@ included: an import hidden inside a function is still an import).
 - `import torch` / `mlx` / `mlx_lm` / `torchao` belongs under `src/backends/`;
 - `backends/` imports nothing above it (training, evaluation, monitor, serving, export, cli, shortcuts,
   launch);
+- no source file is over 500 lines (issue 27: one job per file);
 - the import graph has no cycle. A package's `__init__` is left out as a target: `from . import x`
   re-exports would otherwise make every package a cycle with its own modules.
 
@@ -155,6 +156,15 @@ def test_no_new_layering_violation(found):
 def test_every_known_violation_still_occurs(found):
     gone = sorted(set(KNOWN) - found)
     assert not gone, "fixed: remove from KNOWN in tests/architecture/test_layers.py:\n  " + "\n  ".join(gone)
+
+
+MAX_LINES = 500          # issue 27: a file past this does more than one job; split it by job
+
+
+def test_no_source_file_is_over_500_lines():
+    long = sorted(f"{path.relative_to(SRC)}: {n} lines" for path in SRC.rglob("*.py")
+                  if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES)
+    assert not long, f"over {MAX_LINES} lines (split by job):\n  " + "\n  ".join(long)
 
 
 def write_tree(root: Path, files: dict[str, str]) -> Path:
