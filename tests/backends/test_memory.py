@@ -333,6 +333,20 @@ def test_parameter_count_includes_weights_kept_outside_parameters(bf16_model_dir
     assert info.total_params == sum(p.numel() for p in plain.parameters()) + info.trainable_params
 
 
+def trainer_and_batch(tiny_config, memory: MemoryConfig):
+    """The CPU backend with `memory`, the tiny model with the config's adapter, its trainer, one training batch."""
+    from mudpuppy.data import Batcher, load_data, prepare_sft_data
+
+    cfg = load_config(tiny_config)
+    backend = create_backend("cpu")
+    backend.plan.memory = memory
+    handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter)
+    backend.attach_adapter(handle, cfg.adapter)
+    trainer = backend.create_trainer(handle, cfg.training)
+    data = prepare_sft_data(cfg, handle.tokenizer, load_data(cfg, "sft"))
+    return backend, trainer, Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id).next_batch()
+
+
 # 14 quantized layers. Checkpointing: forward, recompute, backward (or, streamed, the recompute's weight
 # kept for backward). Without: forward, then backward, except the first layer's q/k/v, whose input (the
 # frozen embedding) needs no gradient. Never once per use of the weight beyond that.
@@ -340,19 +354,9 @@ def test_parameter_count_includes_weights_kept_outside_parameters(bf16_model_dir
                                                            (False, False, 14 + 11)])
 def test_qlora_rebuilds_each_weight_a_bounded_number_of_times(tiny_config, monkeypatch, checkpointing, stream,
                                                               rebuilds):
-    from mudpuppy.data import Batcher, prepare_sft_data
-    from mudpuppy.data import load_data
-
     tiny_config["adapter"] = {"type": "qlora", "r": 4, "alpha": 8}
     tiny_config["training"]["gradient_checkpointing"] = checkpointing
-    cfg = load_config(tiny_config)
-    backend = create_backend("cpu")
-    backend.plan.memory = MemoryConfig(stream_layers=stream)
-    handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter)
-    backend.attach_adapter(handle, cfg.adapter)
-    trainer = backend.create_trainer(handle, cfg.training)
-    data = prepare_sft_data(cfg, handle.tokenizer, load_data(cfg, "sft"))
-    batch = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id).next_batch()
+    _, trainer, batch = trainer_and_batch(tiny_config, MemoryConfig(stream_layers=stream))
     calls = [0]
     real = Linear4bit.dequantize
 
@@ -386,16 +390,8 @@ def test_a_released_trainer_frees_its_optimizer_state_and_gradients(tiny_config,
     are garbage, and a GPU's caching allocator gives their blocks back (issue 28 item 6)."""
     import weakref
 
-    from mudpuppy.data import Batcher, load_data, prepare_sft_data
-
-    cfg = load_config(tiny_config)
-    backend = create_backend("cpu")
-    backend.plan.memory = MemoryConfig(optimizer_offload=optimizer_offload)
-    handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter)
-    backend.attach_adapter(handle, cfg.adapter)
-    trainer = backend.create_trainer(handle, cfg.training)
-    data = prepare_sft_data(cfg, handle.tokenizer, load_data(cfg, "sft"))
-    trainer.step([Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id).next_batch()], 1e-3)
+    backend, trainer, batch = trainer_and_batch(tiny_config, MemoryConfig(optimizer_offload=optimizer_offload))
+    trainer.step([batch], 1e-3)
     state = [t for s in trainer.optimizer.state_dict()["state"].values() for t in s.values()
              if isinstance(t, torch.Tensor) and t.numel() > 1]
     assert state and all(p.grad is not None for p in trainer.params)
