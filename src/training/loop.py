@@ -210,10 +210,13 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
                 last_saved = state.step
             if fault_step and state.step == fault_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if stop.requested and state.step < steps:
+            if stop.requested:
+                # The last step too: what comes after training (saving, evaluation, merge) can take minutes,
+                # and the user asked to stop; --resume runs no step and finishes the run.
                 path = save_and_report(save, state, report) if state.step > last_saved \
                     else checkpoints.newest_complete(out)
-                raise stop.stopped(f"after step {state.step}; checkpoint saved to {path}. "
+                left = "" if state.step < steps else " (training is done; --resume saves, evaluates and merges)"
+                raise stop.stopped(f"after step {state.step} of {steps}; checkpoint saved to {path}{left}. "
                                    "Continue with: mudpuppy run --config ... --resume")
     except OutOfDeviceMemory as exc:
         # Nothing of this step is saved; the newest complete checkpoint is where a resume starts.

@@ -134,12 +134,38 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(tiny_config, tmp_pat
     np.testing.assert_allclose(resumed.losses, straight.losses, atol=1e-6, rtol=0)
 
 
+def test_ctrl_c_during_the_last_step_stops_too_and_resume_finishes_the_run(tiny_config, tmp_path):
+    """Ctrl-C during the last step means stop as it does during any other: the run ends with its checkpoint
+    and exit code 130 instead of going on to the evaluation and merge after training (minutes on a big
+    model, and a second Ctrl-C there used to leave weights without run_summary.json); --resume then runs
+    no step and finishes: the weights, the evaluation, the summary, equal to an uninterrupted run's."""
+    straight = run(load_config(resume_config(tiny_config, tmp_path / "straight")), create_backend("cpu"),
+                   echo=lambda *_: None)
+    cfg = resume_config(tiny_config, tmp_path / "run")
+    cfg["eval"] = {"before_training": False, "after_training": True}
+    with pytest.raises(Interrupted, match=f"after step {2 * K} of {2 * K}") as info:
+        run(load_config(cfg), _InterruptingBackend(create_backend("cpu"), at_call=2 * K), echo=lambda *_: None)
+    assert info.value.exit_code == 130 and "--resume" in str(info.value)
+    out = tmp_path / "run"
+    assert [c.name for c in checkpoints.list_checkpoints(out)] == [f"step-{K:08d}", f"step-{2 * K:08d}"]
+    assert not (out / "run_summary.json").exists()
+    cfg["resume"] = True
+    resumed = run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None)
+    assert resumed.steps == 2 * K and resumed.resumed_from == 2 * K and resumed.after is not None
+    np.testing.assert_allclose(resumed.losses, straight.losses, atol=1e-6, rtol=0)
+    assert (out / "run_summary.json").exists()
+    mine, theirs = load_file(out / "adapter_model.safetensors"), load_file(tmp_path / "straight" / "adapter_model.safetensors")
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        np.testing.assert_allclose(mine[name], theirs[name], atol=1e-6, rtol=0)
+
+
 def test_sigterm_from_a_scheduler_finishes_the_step_and_saves_like_ctrl_c(tiny_config, tmp_path):
     """SLURM, Kubernetes and preempted cloud machines stop a job with SIGTERM (then SIGKILL): the step in
     progress completes and its checkpoint is written; the exit code is the shell's for SIGTERM."""
     cfg = resume_config(tiny_config, tmp_path / "run")
     cfg["training"]["save_steps"] = 100
-    with pytest.raises(Interrupted, match="terminated after step 3; checkpoint saved to") as info:
+    with pytest.raises(Interrupted, match="terminated after step 3 of 8; checkpoint saved to") as info:
         run(load_config(cfg), _InterruptingBackend(create_backend("cpu"), at_call=3, sig=signal.SIGTERM),
             echo=lambda *_: None)
     assert info.value.exit_code == 143
