@@ -272,10 +272,11 @@ def test_grpo_sampling(backend, model_dirs, family):
     handle, _ = load(backend, model_dirs(family), {"type": "lora"})
     randomize_lora(handle.model)                     # a policy that is not the base
     stop = handle.tokenizer.eos_token_id
-    prompts = [[5, 17, 42, 99, 7], [8, 150, 33, 61, 12, 200, 9, 77, 41]]     # left-padded together
+    # left-padded together; the repeated prompt is prefilled once and its cache shared (sampling.shared_prefill)
+    prompts = [[5, 17, 42, 99, 7], [8, 150, 33, 61, 12, 200, 9, 77, 41], [5, 17, 42, 99, 7]]
     warm = Sampling(temperature=1.0)
     first = backend.sample(handle, prompts, 8, [stop], warm, seed=7)
-    assert len(first) == 2 and all(0 < len(row) <= 8 for row in first)
+    assert len(first) == 3 and all(0 < len(row) <= 8 for row in first)
     assert backend.sample(handle, prompts, 8, [stop], warm, seed=7) == first
     assert backend.sample(handle, prompts, 8, [stop], warm, seed=8) != first
     greedy = backend.sample(handle, prompts, 8, [stop], Sampling(top_k=1), seed=7)

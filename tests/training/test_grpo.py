@@ -81,6 +81,31 @@ def test_the_output_head_reads_a_contiguous_input_while_generating(backend, hand
     assert not head._forward_pre_hooks               # and the model is left as it was
 
 
+def test_repeated_prompts_are_prefilled_once_and_sample_what_a_full_prefill_samples(backend, handle, monkeypatch):
+    """A GRPO group repeats its prompt num_generations times: the prompt is run once per distinct prompt
+    (its cache repeated to the group's rows) and the draws are those of every row prefilled on its own,
+    for per-row seeds and one seed, with left padding (prompts of different lengths)."""
+    import mudpuppy.backends.torch.sampling as sampling
+
+    prompts = [[5, 6, 7]] * 3 + [[8, 9, 10, 11, 12]] * 3 + [[13, 14]]
+    seeds = [1, 1, 1, 2, 2, 2, 3]
+    widths = []
+    hook = handle.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        shared = [backend.sample(handle, prompts, 8, [], Sampling(temperature=1.3), seed=s) for s in (seeds, 4)]
+        first_forward = widths[0]
+        monkeypatch.setattr(sampling, "shared_prefill", lambda *a: None)
+        widths.clear()
+        alone = [backend.sample(handle, prompts, 8, [], Sampling(temperature=1.3), seed=s) for s in (seeds, 4)]
+    finally:
+        hook.remove()
+    assert first_forward == (3, 4)                   # 3 distinct prompts, all but the last of 5 columns
+    assert widths[0] == (7, 5)                       # without sharing: every row, every column
+    assert shared == alone
+    assert len({tuple(r) for r in shared[0][:3]}) > 1   # the group's rows still draw apart
+
+
 def test_grpo_micro_batches_get_the_attention_kernel_for_their_shape(backend, handle, monkeypatch):
     import mudpuppy.backends.torch.forward as torch_forward
     from mudpuppy.training.grpo_loss import RolloutBatch

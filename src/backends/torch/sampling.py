@@ -28,10 +28,20 @@ What it guarantees beyond a plain `generate(do_sample=True)` call:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from .handle import unwrap
+
+
+@functools.cache
+def cache_kwarg() -> str:
+    """What `generate` calls a cache handed to it: `cache` from transformers 5.2x, `past_key_values` before
+    (still accepted, with a deprecation warning on every call)."""
+    from transformers.generation import utils
+
+    return "cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
 @torch.no_grad()
@@ -57,17 +67,47 @@ def sample(backend, handle, prompts: list[list[int]], max_new_tokens: int, stop_
     gpu = [device] if device.type == "cuda" else []
     training = model.training
     model.eval()
+    ids, attn = ids.to(device), attn.to(device)
     try:
         with fresh_generation_config(model), torch.random.fork_rng(devices=gpu, device_type=device.type), \
                 contiguous_head(model):
             if isinstance(seed, int):
                 torch.manual_seed(seed)
             with backend._autocast(handle):
-                out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                     generation_config=config, **extra)
+                cache = shared_prefill(model, prompts, ids, attn)
+                if cache is not None:
+                    extra[cache_kwarg()] = cache
+                out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config, **extra)
     finally:
         model.train(training)
     return [cut_after_stop(row, stop_ids) for row in out[:, ids.shape[1]:].tolist()]
+
+
+def shared_prefill(model, prompts: list[list[int]], ids: torch.Tensor, attn: torch.Tensor):
+    """The KV cache of every row's prompt but its last token, computed once per distinct prompt and
+    repeated to the rows that share it; None where no prompt repeats (or the model's cache cannot be
+    repeated), and `generate` prefills as usual.
+
+    GRPO samples each prompt `num_generations` times: its 8 identical prefills were a tenth of a
+    sampling call (benchmarks/grpo_cpu.py). `generate` given this cache runs only the last prompt token
+    of each row before decoding, with the positions and mask it would have used: the distinct rows keep
+    the batch's left padding and their positions are counted from the mask, as `generate` counts them."""
+    from transformers import DynamicCache
+
+    first: dict[tuple, int] = {}
+    index = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    if len(first) == len(prompts) or ids.shape[1] < 2:
+        return None
+    rows = torch.tensor([index.index(u) for u in range(len(first))], device=ids.device)
+    u_ids, u_attn = ids[rows, :-1], attn[rows, :-1]
+    positions = (u_attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=u_ids, attention_mask=u_attn, position_ids=positions, use_cache=True)
+    cache = getattr(out, "cache", None)
+    cache = getattr(out, "past_key_values", None) if cache is None else cache
+    if not isinstance(cache, DynamicCache):
+        return None
+    cache.reorder_cache(torch.tensor(index, device=ids.device))
+    return cache
 
 
 class SeededDraw:
