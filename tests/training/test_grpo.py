@@ -106,6 +106,37 @@ def test_repeated_prompts_are_prefilled_once_and_sample_what_a_full_prefill_samp
     assert len({tuple(r) for r in shared[0][:3]}) > 1   # the group's rows still draw apart
 
 
+def test_decoding_on_a_cpu_packs_grouped_query_heads_instead_of_sdpa_enable_gqa(backend, handle, monkeypatch):
+    """One-query attention of a grouped-query model (the tiny model: 4 query heads, 2 key/value heads)
+    goes through transformers' packing, not SDPA's enable_gqa (5x slower in bf16 on a CPU at one query);
+    the tokens are those of the unpatched attention, and the attention table is left as it was."""
+    import contextlib
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import mudpuppy.backends.torch.sampling as sampling
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q.shape[1], q.shape[2], k.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    prompts = [[5, 6, 7, 8]] * 2 + [[9, 10, 11, 12]]           # one length: no mask, where enable_gqa was taken
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    packed = backend.sample(handle, prompts, 6, [], Sampling(top_k=1), seed=3)
+    greedy = backend.generate(handle, prompts, 6, [])
+    decode = [c for c in calls if c[0] * c[1] == 4 and c[2] == 2]      # 4 query heads x 1 position
+    assert decode and all(c == (2, 2, 2, False) for c in decode)     # [rows, kv heads, group, dim]
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    monkeypatch.setattr(sampling, "packed_kv_heads_at_decode", lambda device: contextlib.nullcontext())
+    calls.clear()
+    assert backend.sample(handle, prompts, 6, [], Sampling(top_k=1), seed=3) == packed
+    assert backend.generate(handle, prompts, 6, []) == greedy
+    assert any(c[3] for c in calls)                                  # without it: enable_gqa
+
+
 def test_grpo_micro_batches_get_the_attention_kernel_for_their_shape(backend, handle, monkeypatch):
     import mudpuppy.backends.torch.forward as torch_forward
     from mudpuppy.training.grpo_loss import RolloutBatch

@@ -32,6 +32,7 @@ import functools
 
 import torch
 
+from .attention import packed_kv_heads_at_decode
 from .handle import unwrap
 
 
@@ -70,7 +71,7 @@ def sample(backend, handle, prompts: list[list[int]], max_new_tokens: int, stop_
     ids, attn = ids.to(device), attn.to(device)
     try:
         with fresh_generation_config(model), torch.random.fork_rng(devices=gpu, device_type=device.type), \
-                contiguous_head(model):
+                contiguous_head(model), packed_kv_heads_at_decode(device):
             if isinstance(seed, int):
                 torch.manual_seed(seed)
             with backend._autocast(handle):
@@ -217,7 +218,7 @@ def greedy(backend, handle, prompts: list[list[int]], max_new_tokens: int,
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         attn[row, width - len(p):] = 1
-    with backend._autocast(handle), contiguous_head(handle.model):
+    with backend._autocast(handle), contiguous_head(handle.model), packed_kv_heads_at_decode(backend.plan.device):
         out = handle.model.generate(
             input_ids=ids.to(backend.plan.device), attention_mask=attn.to(backend.plan.device),
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids,
