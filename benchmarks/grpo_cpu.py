@@ -2,7 +2,7 @@
 
     nice -n 5 python benchmarks/grpo_cpu.py --threads 1             # 3 pairs, 1 warm-up + 8 timed steps each
     python benchmarks/grpo_cpu.py --threads 1 --repeat 1 --steps 2   # a quick look
-    python benchmarks/grpo_cpu.py --table-only --out benchmarks/results/grpo_cpu-2026-11-25.json
+    python benchmarks/grpo_cpu.py --table-only --out benchmarks/results/grpo_cpu-2026-11-26.json
     python benchmarks/grpo_cpu.py --threads 1 --profile mudpuppy --steps 3   # cProfile (no value: both sides)
 
 The full run took 19 minutes on the project's 2-core machine; results go to
