@@ -130,6 +130,14 @@ def test_decoding_on_a_cpu_packs_grouped_query_heads_instead_of_sdpa_enable_gqa(
     decode = [c for c in calls if c[0] * c[1] == 4 and c[2] == 2]      # 4 query heads x 1 position
     assert decode and all(c == (2, 2, 2, False) for c in decode)     # [rows, kv heads, group, dim]
     assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    from mudpuppy.backends.torch.attention import packed_kv_heads_at_decode
+
+    cpu = torch.device("cpu")
+    with packed_kv_heads_at_decode(cpu):                    # nested holders (a server thread beside a run)
+        with packed_kv_heads_at_decode(cpu):
+            pass
+        assert "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping    # still held by the outer one
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
     monkeypatch.setattr(sampling, "packed_kv_heads_at_decode", lambda device: contextlib.nullcontext())
     calls.clear()
     assert backend.sample(handle, prompts, 6, [], Sampling(top_k=1), seed=3) == packed

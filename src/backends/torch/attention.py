@@ -31,6 +31,7 @@ import contextlib
 import functools
 import inspect
 import re
+import threading
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -154,26 +155,57 @@ def packed_kv_heads_at_decode(device: torch.device):
     against 3 key/value heads of ~70 positions, took 1.13 ms a call with `enable_gqa` and 0.22 ms packed
     (one thread, AMD EPYC, bf16), 0.93 s of a 5.3 s GRPO sampling call. With a mask transformers packs
     already; an all-true mask at one query changes nothing but that choice, so it is what is passed. The
-    values are the same attention to rounding (tests/training/test_grpo.py)."""
+    values are the same attention to rounding (tests/training/test_grpo.py).
+
+    transformers' attention table is process-wide: the wrapper is installed while any decode holds this
+    context (a server thread and a training loop may overlap) and acts on CPU tensors only."""
     if device.type != "cpu":
         yield
         return
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    local = ALL_ATTENTION_FUNCTIONS._local_mapping
-    previous, original = local.get("sdpa"), ALL_ATTENTION_FUNCTIONS["sdpa"]
-
-    def sdpa(module, query, key, value, attention_mask=None, *args, **kwargs):
-        if (attention_mask is None and query.shape[2] == 1 and getattr(module, "num_key_value_groups", 1) > 1
-                and kwargs.get("position_bias") is None):
-            attention_mask = torch.ones((1, 1, 1, key.shape[2]), dtype=torch.bool, device=query.device)
-        return original(module, query, key, value, attention_mask, *args, **kwargs)
-
-    local["sdpa"] = sdpa
+    _PACKED.enter()
     try:
         yield
     finally:
-        if previous is None:
-            local.pop("sdpa", None)
-        else:
-            local["sdpa"] = previous
+        _PACKED.exit()
+
+
+class _PackedDecode:
+    """The installed wrapper of transformers' "sdpa" attention function, counted by its holders."""
+
+    def __init__(self):
+        self.lock, self.holders, self.previous = threading.Lock(), 0, None
+
+    def enter(self) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        with self.lock:
+            if self.holders == 0:
+                local = ALL_ATTENTION_FUNCTIONS._local_mapping
+                self.previous = local.get("sdpa")
+                local["sdpa"] = packed_at_one_query(ALL_ATTENTION_FUNCTIONS["sdpa"])
+            self.holders += 1
+
+    def exit(self) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        with self.lock:
+            self.holders -= 1
+            if self.holders == 0:
+                local = ALL_ATTENTION_FUNCTIONS._local_mapping
+                if self.previous is None:
+                    local.pop("sdpa", None)
+                else:
+                    local["sdpa"] = self.previous
+
+
+_PACKED = _PackedDecode()
+
+
+def packed_at_one_query(original):
+    def sdpa(module, query, key, value, attention_mask=None, *args, **kwargs):
+        if (attention_mask is None and query.shape[2] == 1 and query.device.type == "cpu"
+                and getattr(module, "num_key_value_groups", 1) > 1 and kwargs.get("position_bias") is None):
+            attention_mask = torch.ones((1, 1, 1, key.shape[2]), dtype=torch.bool, device=query.device)
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return sdpa

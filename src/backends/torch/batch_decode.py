@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..decoding import BatchRows, SlotDecoder
+from .attention import packed_kv_heads_at_decode
 from .handle import unwrap
 
 
@@ -112,7 +113,7 @@ class SequenceDecoder(SlotDecoder):
             kwargs["position_ids"] = positions
         if self.keep_last:
             kwargs["logits_to_keep"] = 1
-        with self.backend._autocast(self.handle):
+        with self.backend._autocast(self.handle), packed_kv_heads_at_decode(self.device):
             out = self.model(**kwargs)
         # generate copies the last position to fp32 before any processor sees it
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
