@@ -200,7 +200,10 @@ def whole_frame(pane: str) -> bool:
 def test_a_run_under_tmux_shows_step_loss_and_eta_and_exits_cleanly(tiny_config, tmp_path):
     cfg = write_config(tiny_config, tmp_path, steps=40)
     rc_file, socket = tmp_path / "rc", f"mudpuppy-test-{uuid.uuid4().hex[:8]}"
-    command = f"{MUDPUPPY} run --tui --config {cfg}; echo $? > {rc_file}; sleep 60"
+    # The size given to rich outright: a detached pane starts at tmux's default 80x24 and is resized after
+    # the program may have read it, and at 24 lines the log panel holds only its last 3 lines once the
+    # held-out row joins the metrics (CI caught frames whose log had scrolled past the data line).
+    command = f"COLUMNS=160 LINES=50 {MUDPUPPY} run --tui --config {cfg}; echo $? > {rc_file}; sleep 60"
     tmux = ["tmux", "-L", socket]          # a server of our own: it starts with this test's environment
     subprocess.run([*tmux, "new-session", "-d", "-s", "tui", "-x", "160", "-y", "50", command], check=True)
     try:
