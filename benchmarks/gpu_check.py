@@ -520,11 +520,13 @@ def check_scale(args, backend, work: Path) -> dict:
     rows = []
     for seq_len in settings["seq_lens"]:
         data = write_scale_data(work, seq_len, settings["steps"] * settings["batch"])
-        for side in ("mudpuppy-qlora-int4", "mudpuppy-lora-bf16", "trl-peft-lora-bf16"):
+        # LoRA and TRL first: their ratio is the comparison, and a lease that runs out cuts the last side.
+        for side in ("mudpuppy-lora-bf16", "trl-peft-lora-bf16", "mudpuppy-qlora-int4"):
             job = {"side": side, "model": str(model_dir), "data": str(data), "seq_len": seq_len,
                    "steps": settings["steps"], "batch": settings["batch"], "device": args.device,
                    "out": str(work / f"scale-{side}-{seq_len}")}
             rows.append({"side": side, "seq_len": seq_len, **run_worker(job)})
+            print(f"gpu_check: scale: {json.dumps(rows[-1])}", flush=True)   # seen even if the section is cut short
     ratios = scale_ratios(rows)
     return {"settings": settings, "rows": rows, "ratios": ratios, "targets": scale_targets(rows, ratios),
             "ok": all("error" not in r for r in rows)}
@@ -816,19 +818,29 @@ def main(argv=None) -> int:
         print(problem, file=sys.stderr)
         return NO_DEVICE_EXIT
     start, sections = time.perf_counter(), {}
+    names = args.sections.split(",")
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
-        for name in args.sections.split(","):
+        for name in names:
             sections[name] = run_section(name, args, backend, Path(tmp))
+            # Written after every section: a lent GPU's time runs out, and a killed run keeps what it measured.
+            report = write_report(args, backend, sections, start, done=len(sections) == len(names))
+    print(f"gpu_check: {report['verdict']}; report in {args.out}/gpu_check.md")
+    return report["exit_code"]
+
+
+def write_report(args, backend, sections: dict, start: float, done: bool) -> dict:
     failed = [name for name, s in sections.items() if not s["ok"]]
     code = 1 if failed else 0
+    verdict = f"FAILED: {', '.join(failed)}" if failed else "every check within tolerance"
+    if not done:
+        verdict += f" (so far: {', '.join(sections)} of {args.sections})"
     report = {"device": f"{backend.name} ({backend.plan.device})", "command": " ".join(["gpu_check.py", *sys.argv[1:]]),
               "exit_code": code, "seconds": time.perf_counter() - start, "failed": failed, "sections": sections,
-              "verdict": f"FAILED: {', '.join(failed)}" if failed else "every check within tolerance"}
+              "verdict": verdict}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (args.out / "gpu_check.md").write_text(markdown(report))
-    print(f"gpu_check: {report['verdict']}; report in {args.out}/gpu_check.md")
-    return code
+    return report
 
 
 if __name__ == "__main__":
