@@ -21,14 +21,15 @@ from .issues import Issue, _missing_files, _pydantic_issues
 from .methods import GptqConfig, GrpoConfig, PreferenceConfig, QatConfig, RewardConfig, grpo_batch_problems
 from .model import AdapterConfig, ModelConfig
 from .run import BACKEND_NAMES, RunConfig, resolve_relative
-from .source import _read_yaml, apply_override, read_source
+from .source import MAX_YAML_VALUES, _read_yaml, apply_override, bounded_yaml_load, read_source
 from .training import DistributedConfig, EvalConfig, LoggingConfig, MemoryConfig, TrainingConfig
 
 __all__ = [
     "RunConfig", "ModelConfig", "AdapterConfig", "DatasetSpec", "DataConfig", "TrainingConfig", "EvalConfig",
     "MemoryConfig", "DistributedConfig", "LoggingConfig", "PreferenceConfig", "RewardConfig", "GrpoConfig",
     "GptqConfig", "QatConfig", "BACKEND_NAMES", "DATASET_TYPES", "ConfigError", "Issue",
-    "grpo_batch_problems", "resolve_relative", "read_source", "apply_override",
+    "grpo_batch_problems", "resolve_relative", "read_source", "apply_override", "bounded_yaml_load",
+    "MAX_YAML_VALUES",
     # shared with training/curriculum.py, which checks each stage as a run
     "_read_yaml", "_pydantic_issues", "_missing_files",
 ]

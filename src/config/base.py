@@ -15,9 +15,11 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo
 
 
 class _Strict(BaseModel):
-    """Base for every section: unknown keys are errors, assignments re-validate."""
+    """Base for every section: unknown keys are errors, assignments re-validate, and no float key takes
+    nan or inf (YAML's `.nan`, `.inf`): a learning rate of inf trains to an all-NaN adapter that still
+    reports "finished", so every float field, in lists and mappings too, refuses them here once."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def outside_check(info: ValidationInfo, name: str, value: Any) -> None:
