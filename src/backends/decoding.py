@@ -16,7 +16,8 @@ class SlotDecoder:
                                                       `token` and `logits` attributes
         feed()                                        every sequence's last drawn token through the model,
                                                       its next logits into `seq.logits`
-        draw(seq) -> int                              one token from `seq.logits`
+        draw(seq) -> int                              one token from `seq.logits`; raises when they are not
+                                                      numbers to draw from (that sequence alone then ends)
 
     and `model`, the module whose training mode `close` puts back."""
 
@@ -27,6 +28,7 @@ class SlotDecoder:
         self.seqs: dict = {}               # slot -> the runtime's sequence
         self.next_slot = 0
         self.sizes: Counter = Counter()    # batch size -> steps decoded at that size
+        self.failed: dict = {}             # slot -> the error its draw raised (failures() hands them out)
 
     def add(self, prompt: list[int], sampling, seed: int) -> int:
         if not prompt:
@@ -38,12 +40,24 @@ class SlotDecoder:
     def step(self) -> dict[int, int]:
         self.feed()
         out = {}
-        for slot, seq in self.seqs.items():
-            seq.token, seq.logits = self.draw(seq), None
-            out[slot] = seq.token
+        for slot, seq in list(self.seqs.items()):
+            try:
+                token = self.draw(seq)
+            except Exception as exc:     # this sequence's numbers broke (NaN logits, a warper's error): it alone ends
+                self.failed[slot] = exc
+                self.remove(slot)
+                continue
+            seq.token, seq.logits = token, None
+            out[slot] = token
         if out:
             self.sizes[len(out)] += 1
         return out
+
+    def failures(self) -> dict[int, Exception]:
+        """The sequences whose token could not be drawn since the last call, {slot: the error}: each is
+        removed already and left out of `step`'s answer; the others go on."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def remove(self, slot: int) -> None:
         self.seqs.pop(slot, None)
@@ -53,6 +67,7 @@ class SlotDecoder:
 
     def close(self) -> None:
         self.seqs.clear()
+        self.failed.clear()
         self.model.train(self.training)
 
 
@@ -91,6 +106,15 @@ class BatchRows:
         self.rows = []
         self.drop_batch()
         super().close()
+
+
+class NotFinite(ValueError):
+    """A sequence's scores hold NaN or +infinity, or nothing is left to draw from: its answer cannot go on.
+    Raised by a runtime's `draw` before its argmax or multinomial, which would pick garbage (argmax over
+    NaN), fail with a message about probabilities, or on CUDA stop the device with an assert."""
+
+    def __init__(self):
+        super().__init__("the next token's scores are not finite numbers (NaN or infinity)")
 
 
 def context_length(handle) -> int | None:

@@ -188,7 +188,11 @@ class Decoder(Protocol):
         comes from the next `step`. `sampling` None is greedy."""
 
     def step(self) -> dict[int, int]:
-        """One new token for every sequence added and not removed: {slot: token id}."""
+        """One new token for every sequence added and not removed: {slot: token id}. A sequence whose
+        token cannot be drawn (its scores NaN or infinite) is removed and left out; `failures` says why."""
+
+    def failures(self) -> dict[int, Exception]:
+        """{slot: error} for the sequences `step` removed since the last call; the others went on."""
 
     def remove(self, slot: int) -> None:
         """Drop a sequence (finished, cancelled); its memory is freed before the next step."""

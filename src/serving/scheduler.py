@@ -5,7 +5,8 @@ tickets between steps (prefilling each alone), decodes one token for every activ
 step through the backend's `Decoder` (backends/protocol.py), and hands each token to its
 ticket's queue. A ticket ends, and leaves the batch before the next step, at its stop token,
 at max_tokens, at its deadline (--request-timeout), when its request cancels it (a stop
-string, a client gone) or when the server stops. So a long answer never holds the model: a
+string, a client gone), when its own token cannot be drawn (the decoder's `failures`: that
+request alone gets the error, the rest of the batch goes on) or when the server stops. So a long answer never holds the model: a
 new request joins the batch at the next step.
 
 Only this thread runs the model, and `stop` joins it: at exit no thread is inside torch (a
@@ -136,11 +137,16 @@ class Scheduler:
     def step(self) -> None:
         try:
             tokens = self.decoder.step()
-        except Exception as exc:     # the batch is lost; its requests get the error, the server goes on
+        except Exception as exc:     # the forward pass failed: the batch is lost, its requests get the error
             self.log(traceback.format_exc())
             for slot, ticket in list(self.active.items()):
                 self.end(slot, ticket, f"error: {type(exc).__name__}: {exc}")
             return
+        for slot, exc in self.decoder.failures().items():   # one sequence's draw failed: it alone ends
+            ticket = self.active.get(slot)
+            if ticket is not None:
+                self.log(f"an answer failed after {ticket.generated} tokens: {type(exc).__name__}: {exc}")
+                self.end(slot, ticket, f"error: {type(exc).__name__}: {exc}")
         for slot, token in tokens.items():
             ticket = self.active[slot]
             ticket.generated += 1

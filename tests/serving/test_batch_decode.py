@@ -73,3 +73,54 @@ def test_mlx_batched_decoding_equals_single_requests(chat_run):
     from mudpuppy.serving import load_chat_model
 
     check_decoder(load_chat_model(str(chat_run), "mlx", "fp32"), 5)
+
+
+def check_failures_end_alone(model, new_tokens: int) -> None:
+    """Two sequences whose draws fail: one sampled at temperature 1e-300 (0 in float32: its scores are inf
+    and NaN) fails at its first draw, before it joins the batch; one whose scores turn NaN at its third
+    step fails as a row between two others. Each is removed and reported by `failures`; the sequences
+    beside them decode what they decode alone."""
+    backend, handle = model.backend, model.handle
+    ps = prompts(model)
+    alone = [backend.generate(handle, [p], new_tokens, [])[0] for p in ps]
+    decoder = backend.open_decoder(handle)
+    real, drawn = decoder.draw, {}
+
+    def draw(seq):
+        drawn[id(seq)] = drawn.get(id(seq), 0) + 1
+        if seq is poisoned and drawn[id(seq)] == 3:
+            seq.logits = seq.logits * float("nan")
+        return real(seq)
+
+    decoder.draw = draw
+    try:
+        kept = [decoder.add(ps[0], None, 0)]
+        doomed = decoder.add(ps[1], None, 0)
+        poisoned = decoder.seqs[doomed]
+        kept.append(decoder.add(ps[3], None, 0))
+        broken = decoder.add(ps[2], Sampling(temperature=1e-300), 7)
+        got: dict[int, list[int]] = {slot: [] for slot in kept}
+        failed: dict = {}
+        for _ in range(new_tokens):
+            for slot, token in decoder.step().items():
+                assert slot not in failed and slot != broken
+                got.setdefault(slot, []).append(token)
+            failed.update(decoder.failures())
+        assert sorted(failed) == sorted([doomed, broken]), failed
+        assert all("not finite" in str(exc) for exc in failed.values())
+        assert len(got[doomed]) == 2 and max(decoder.batch_sizes()) == 3
+    finally:
+        decoder.close()
+    assert [got[slot] for slot in kept] == [alone[0], alone[3]]
+
+
+def test_torch_a_failed_draw_ends_its_sequence_alone(torch_chat):
+    check_failures_end_alone(torch_chat, 8)
+
+
+@pytest.mark.mlx
+def test_mlx_a_failed_draw_ends_its_sequence_alone(chat_run):
+    pytest.importorskip("mlx.core")
+    from mudpuppy.serving import load_chat_model
+
+    check_failures_end_alone(load_chat_model(str(chat_run), "mlx", "fp32"), 5)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..decoding import BatchRows, SlotDecoder
+from ..decoding import BatchRows, NotFinite, SlotDecoder
 from .generation import last_logits, left_paddable
-from .sampling import draw
+from .sampling import filter_logits
 
 
 @dataclass
@@ -62,9 +62,12 @@ class SequenceDecoder(SlotDecoder):
 
     def draw(self, seq: Sequence) -> int:
         if seq.sampling is None:
+            check_finite(seq.logits)
             return int(mx.argmax(seq.logits[0]).item())
         seq.key, step_key = mx.random.split(seq.key)
-        return int(draw(seq.logits, seq.sampling, step_key).tolist()[0])
+        scores = filter_logits(seq.logits, seq.sampling)     # sampling.draw's two steps, checked between them
+        check_finite(scores)
+        return int(mx.random.categorical(scores, axis=-1, key=step_key).tolist()[0])
 
     def feed(self) -> None:
         for seq in self.seqs.values():
@@ -110,3 +113,9 @@ class BatchDecoder(BatchRows, SequenceDecoder):
         for slot in slots:
             self.seqs[slot].cache = None
             self.rows.append(slot)
+
+
+def check_finite(scores: mx.array) -> None:
+    """NotFinite unless the best score is a finite number (mx.max is NaN when any score is)."""
+    if not mx.isfinite(scores.max()).item():
+        raise NotFinite()

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import BatchRows, SlotDecoder
+from ..decoding import BatchRows, NotFinite, SlotDecoder
 from .attention import packed_kv_heads_at_decode
 from .handle import unwrap
 
@@ -147,8 +147,10 @@ class SequenceDecoder(SlotDecoder):
     def draw(self, seq: Sequence) -> int:
         logits = seq.logits[None]
         if seq.warpers is None:
+            check_finite(logits)
             return int(torch.argmax(logits, dim=-1))
         scores = seq.warpers(torch.zeros((1, 0), dtype=torch.long, device=logits.device), logits)
+        check_finite(scores)
         probs = torch.nn.functional.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, num_samples=1, generator=seq.generator))
 
@@ -221,6 +223,13 @@ class BatchDecoder(BatchRows, SequenceDecoder):
         self.mask = self.mask[:, start:]
         for layer in self.batch.layers:
             layer.keys, layer.values = layer.keys[..., start:, :], layer.values[..., start:, :]
+
+
+def check_finite(scores: torch.Tensor) -> None:
+    """NotFinite unless the best score is a finite number: max is NaN when any score is, +inf when one
+    overflowed (a temperature near 0), -inf when every token was cut."""
+    if not bool(torch.isfinite(scores.max())):
+        raise NotFinite()
 
 
 def pad_left(x: torch.Tensor, width: int, dim: int = -1) -> torch.Tensor:
