@@ -437,8 +437,9 @@ def check_dequantize(args, backend) -> dict:
 
     limit = getattr(dynamo_config, "recompile_limit", None) or getattr(dynamo_config, "cache_size_limit", None)
     ok = all(r["bit_equal"] and r["compiled"] for r in rows) and frames <= expected
+    fallbacks = {" ".join(str(k) for k in key): why for key, why in getattr(quantize, "FALLBACKS", {}).items()}
     return {"rows": rows, "dynamo_counters": added, "frames_compiled": frames, "frames_expected_at_most": expected,
-            "recompile_limit": limit, "ok": ok}
+            "recompile_limit": limit, "eager_fallbacks": fallbacks, "ok": ok}
 
 
 def kernel_is_compiled(quantize, device, fmt, tensors, cols, dtype) -> bool:
@@ -753,7 +754,8 @@ def md_dequantize(s: dict) -> list[str]:
               f"{r['grad']} | {r['bit_equal']} | {r['compiled']} |" for r in s["rows"]]
     return lines + ["", f"dynamo: {s['frames_compiled']} frames compiled (at most {s['frames_expected_at_most']}: one "
                         f"per kernel; recompile limit {s['recompile_limit']}); counters added: "
-                        f"`{json.dumps(s['dynamo_counters'])}`"]
+                        f"`{json.dumps(s['dynamo_counters'])}`"] + [
+        f"- eager code for {key}: {why}" for key, why in s.get("eager_fallbacks", {}).items()]
 
 
 def md_scale(s: dict) -> list[str]:

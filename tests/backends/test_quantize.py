@@ -93,6 +93,16 @@ def test_mxfp4_round_trips_scaled_e2m1_values_exactly():
     assert torch.equal(rebuilt, weight)
 
 
+def test_mxfp4_negative_zero_code_decodes_to_positive_zero():
+    # Code 8 is E2M1's -0; decoding it to +0.0 everywhere keeps the compiled CUDA kernel (which gave +0.0)
+    # bit-equal to the eager lookup, so mxfp4 layers are not sent to the eager code on a GPU.
+    weight = torch.tensor([[-1e-9] * 31 + [6.0]])              # rounds to code 8 under a scale set by 6.0
+    tensors = quantize_mxfp4(weight)
+    assert (unpack_nibbles(tensors["qweight"])[0, :31] == 8).all()
+    rebuilt = dequantize_mxfp4(**tensors, in_features=32)
+    assert not rebuilt[0, :31].signbit().any() and rebuilt[0, 31] == 6.0
+
+
 def test_mxfp4_shared_exponent_follows_the_ocp_rule():
     amax = torch.tensor([6.0, 7.99, 8.0, 1.0, 0.75, 1e-3, 0.0])
     blocks = torch.zeros(len(amax), 32)

@@ -119,6 +119,7 @@ EAGER_ENV = "MUDPUPPY_EAGER_DEQUANTIZE"     # set to 1 to skip torch.compile for
 FUSED_MIN_WEIGHTS = 1 << 18                 # smaller CPU layers dequantize eagerly (a compile costs more)
 _DEQUANTIZERS: dict[tuple, object] = {}     # GPUs: one shape-generic compiled kernel per device type, format, dtype
 _CPU_KERNELS: dict[tuple, object] = {}      # CPU: one compiled kernel per layer shape, format and dtype
+FALLBACKS: dict[tuple, str] = {}             # (device type, format, dtype): why the eager code runs there
 
 
 def fast_dequantize(tensors: dict[str, torch.Tensor], quant_backend: str, in_features: int,
@@ -263,14 +264,28 @@ def _build_dequantizer(device: torch.device, quant_backend: str, dtype: torch.dt
 
     generator = torch.Generator(device="cpu").manual_seed(0)
     probe = torch.randn(96, 160, generator=generator).to(device)
+    key = (device.type, quant_backend, dtype)
     try:
         tensors = quantize_weight(probe, quant_backend, 64 if quant_backend == "int4" else None)
-        if not same_bits(kernel(tensors, quant_backend, 150, dtype),
-                         dequantize_weight(tensors, quant_backend, 150, dtype)):
+        fast, eager = kernel(tensors, quant_backend, 150, dtype), dequantize_weight(tensors, quant_backend, 150, dtype)
+        if not same_bits(fast, eager):
+            FALLBACKS[key] = describe_difference(fast, eager)
             return dequantize_weight
-    except Exception:   # inductor raises many types; each means "no fused kernel here", not a user error
+    except Exception as exc:   # inductor raises many types; each means "no fused kernel here", not a user error
+        FALLBACKS[key] = f"compiling failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
         return dequantize_weight
     return kernel
+
+
+def describe_difference(fast: torch.Tensor, eager: torch.Tensor) -> str:
+    """Why a compiled kernel was not used: how far its values are from the eager code's (gpu_check reports it)."""
+    if fast.shape != eager.shape or fast.dtype != eager.dtype:
+        return f"compiled output {tuple(fast.shape)} {fast.dtype}, eager {tuple(eager.shape)} {eager.dtype}"
+    diff = (fast.float() - eager.float()).abs()
+    bits = fast.contiguous().view(torch.int16) != eager.contiguous().view(torch.int16) if fast.element_size() == 2 \
+        else fast != eager
+    return (f"compiled values differ from eager at {int(bits.sum())} of {fast.numel()} elements "
+            f"(max abs diff {diff.max().item():.3g}, nan in compiled {bool(fast.isnan().any())})")
 
 
 # --------------------------------------------------------------------------- whole models
