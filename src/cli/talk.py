@@ -49,7 +49,8 @@ def _load_talking_model(target, backend, precision, base_model, chat_template, t
 @click.command()
 @_talk_options
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Sampling temperature; 0 is greedy decoding (the answer `mudpuppy eval` scores).")
+              help="Sampling temperature; 0 (and anything below 1e-5) is greedy decoding (the answer "
+                   "`mudpuppy eval` scores).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Longest answer, in tokens.")
 @click.option("--system", "system_prompt", default=None,
@@ -83,7 +84,7 @@ def chat(target, backend, precision, base_model, chat_template, trust_remote_cod
 @click.option("--model-name", default=None, help="The model id clients send and /v1/models lists "
                                                   "(default: the directory name or alias).")
 @click.option("--temperature", type=click.FloatRange(min=0, max=2), default=1.0, show_default=True,
-              help="Temperature for requests that do not set one (OpenAI's default is 1).")
+              help="Temperature for requests that do not set one (OpenAI's default is 1); below 1e-5: greedy.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="max_tokens for requests that do not set one (cut to what the context leaves).")
 @click.option("--max-tokens", "max_tokens_cap", type=click.IntRange(min=1), default=4096, show_default=True,
@@ -94,6 +95,10 @@ def chat(target, backend, precision, base_model, chat_template, trust_remote_cod
                    "\"length\" (0: no limit).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True,
               help="Answers decoded together in one batch; more requests wait for a place.")
+@click.option("--max-body", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
+              metavar="MIB", help="The largest request body read, in MiB; a larger one gets a 413 before it is read.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Connections handled at once; the next ones get a 503 with Retry-After.")
 @click.option("--api-key", envvar="MUDPUPPY_API_KEY", default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every request (401 otherwise).")
 @click.option("--allow-origin", "allow_origins", multiple=True, metavar="ORIGIN",
@@ -102,8 +107,8 @@ def chat(target, backend, precision, base_model, chat_template, trust_remote_cod
 @debug_option
 @handle_errors
 def serve(target, backend, precision, base_model, chat_template, trust_remote_code, top_p, top_k, seed, host, port,
-          model_name, temperature, max_new_tokens, max_tokens_cap, request_timeout, max_batch, api_key, allow_origins,
-          debug):
+          model_name, temperature, max_new_tokens, max_tokens_cap, request_timeout, max_batch, max_body,
+          max_connections, api_key, allow_origins, debug):
     """Serve a run, adapter or model with OpenAI's chat completions API (docs/serve.md).
 
     POST /v1/chat/completions (stream: true for server-sent events) and GET /v1/models, on
@@ -117,7 +122,8 @@ def serve(target, backend, precision, base_model, chat_template, trust_remote_co
         raise click.BadParameter(f"{max_new_tokens} is above --max-tokens {max_tokens_cap}",
                                  param_hint="--max-new-tokens")
     defaults = GenerationOptions(max_new_tokens, temperature, top_p, top_k, seed)
-    limits = ServerLimits(max_tokens_cap, request_timeout or None, max_batch, api_key or None, tuple(allow_origins))
+    limits = ServerLimits(max_tokens_cap, request_timeout or None, max_batch, api_key or None, tuple(allow_origins),
+                          max(1, int(max_body * 2**20)), max_connections)
     server = start_server(None, host, port, defaults, limits=limits)   # a port in use is reported before the load
     try:
         model = _load_talking_model(target, backend, precision, base_model, chat_template, trust_remote_code,

@@ -8,6 +8,8 @@
     server         the OpenAI-compatible server (standard library only): HTTP, shutdown
     requests       a request body checked into options and token limits, or an OpenAI error
     security       API key, Origin / Host / Content-Type rules against cross-site requests
+    connections    the worker pool and its 503s, bodies drained after a refusal, dropped connections logged
+    literal        special-token text inside a message tokenized as text (no forged turns)
     scheduler      continuous batching: one thread owns the model and decodes every answer in one
                    batch through the backend's `open_decoder`
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
+from ..errors import MudpuppyError
 from .engine import ChatModel, Completion, GenerationOptions
 
 HELP = """commands:
@@ -100,7 +101,7 @@ def run_chat(session: ChatSession, stdin: TextIO | None = None, stdout: TextIO |
         say(stderr, f"chatting with {session.model.name} ({session.model.description}); /help for commands")
         if session.system:
             say(stderr, f"system prompt: {session.system}")
-    for line in read_lines(stdin, stdout, interactive):
+    for line in read_lines(stdin, stdout, stderr, interactive):
         text = line.strip()
         if not text:
             continue
@@ -133,19 +134,41 @@ def answer(session: ChatSession, text: str, stdout: TextIO, stderr: TextIO, inte
     return completion
 
 
-def read_lines(stdin: TextIO, stdout: TextIO, interactive: bool):
+def read_lines(stdin: TextIO, stdout: TextIO, stderr: TextIO, interactive: bool):
     if not interactive:
-        yield from stdin
+        yield from utf8_lines(stdin)
         return
     while True:
         try:
             yield input("> ") if stdin is sys.stdin else prompt_and_read(stdin, stdout)
+        except UnicodeDecodeError as exc:
+            say(stderr, f"that line is not UTF-8 text ({not_utf8(exc)}); type it again")
         except EOFError:
             stdout.write("\n")
             return
         except KeyboardInterrupt:
             stdout.write("\n")
             return
+
+
+def utf8_lines(stdin: TextIO):
+    """A pipe's lines decoded as UTF-8 whatever the locale says; a line that is not UTF-8 ends the chat
+    with a message naming it (answering the lines after it would pair answers with the wrong lines)."""
+    raw = getattr(stdin, "buffer", None)
+    if raw is None:                  # already text (a StringIO)
+        yield from stdin
+        return
+    for number, line in enumerate(raw, 1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise MudpuppyError(f"stdin line {number}: not UTF-8 text ({not_utf8(exc)}); chat reads its messages "
+                                "as UTF-8: convert the input first (iconv -f LATIN1 -t UTF-8, for one)") from None
+        yield text.removeprefix("\ufeff") if number == 1 else text
+
+
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    return f"byte 0x{exc.object[exc.start]:02x} at byte {exc.start + 1} of the line"
 
 
 def prompt_and_read(stdin: TextIO, stdout: TextIO) -> str:

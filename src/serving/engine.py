@@ -5,7 +5,8 @@ a run directory brings its base, adapter, tokenizer and chat template; an adapte
 directory, a model directory, a .gguf file or an alias work too. The prompt is rendered
 with `data.render.render_chat`, the function training renders conversations with, under
 the template the run trained with (`apply_chat_template_choice`), and tokenized as
-training tokenizes chat (the template writes its own special tokens).
+training tokenizes chat (the template writes its own special tokens; special-token text inside
+a message stays text, literal.py).
 """
 
 from __future__ import annotations
@@ -20,13 +21,21 @@ from ..data.render import render_chat
 from ..data.templates import BUILTIN_TEMPLATES, apply_chat_template_choice
 from ..errors import MudpuppyError
 from ..evaluation.heldout import stop_token_ids
+from .literal import literal_prompt_ids
 from .streaming import stream_ids
 from .text import TextStream
 
 
+# Below this temperature an answer is greedy, as vLLM treats it (its _SAMPLING_EPS): logits divided by
+# a temperature near 0 overflow float32 (1e-300 is 0 in float32: inf and NaN), and the distribution
+# is one-hot long before that anyway.
+TEMPERATURE_FLOOR = 1e-5
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
-    """How one answer is generated. temperature 0 is greedy decoding (the protocol's `generate`)."""
+    """How one answer is generated. A temperature below TEMPERATURE_FLOOR (0 included) is greedy
+    decoding (the protocol's `generate`)."""
 
     max_new_tokens: int = 512
     temperature: float = 0.0
@@ -36,7 +45,7 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()        # strings that end the answer (not included in it)
 
     def sampling(self) -> Sampling | None:
-        if self.temperature <= 0:
+        if self.temperature < TEMPERATURE_FLOOR:
             return None
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
@@ -127,7 +136,8 @@ class ChatModel:
         return render_chat(self.tokenizer, messages, add_generation_prompt=True)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return list(self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"])
+        """The rendered prompt's ids; special-token text inside a message stays text (literal.py)."""
+        return literal_prompt_ids(self.tokenizer, self.render, messages)
 
     def complete(self, messages: list[dict], options: GenerationOptions,
                  on_text: Callable[[str], None] | None = None) -> Completion:

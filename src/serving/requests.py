@@ -6,7 +6,8 @@ JSON nested beyond MAX_DEPTH (Python's parser recurses), strings that are not Un
 64 bits, and token counts the model cannot hold. Each is a 400 naming the field.
 
 Token limits, as OpenAI applies them: a prompt that fills the model's context is refused
-(400 context_length_exceeded), and so is a max_tokens above what the context leaves after
+(400 context_length_exceeded; messages longer than the context could hold in characters are
+refused so before they are tokenized), and so is a max_tokens above what the context leaves after
 the prompt, or above the server's cap (--max-tokens). A request without max_tokens gets the
 server's default, cut to what the context leaves.
 """
@@ -147,6 +148,29 @@ def apply_limits(request: ChatRequest, prompt_tokens: int, context: int | None, 
                                 f"completion). Please reduce the length of the messages or completion.",
                            key, "context_length_exceeded")
     return replace(request.options, max_new_tokens=wanted)
+
+
+def prompt_char_limit(tokenizer, context: int | None) -> int | None:
+    """The most characters the messages of a prompt that fits `context` tokens can hold: no token stands
+    for more characters than the longest in the vocabulary (byte-level vocabularies write a byte as one
+    character, and a character is at least one byte), so longer messages need more tokens than the
+    context has, and are refused before tokenizing: tokenizing 15 MB takes minutes and gigabytes."""
+    if context is None:
+        return None
+    try:
+        longest = max(map(len, tokenizer.get_vocab()), default=0)
+    except Exception:      # a tokenizer without a vocabulary to list: the body limit alone bounds the prompt
+        return None
+    return context * max(longest, 1)
+
+
+def check_prompt_size(messages: list[dict], limit: int | None, context: int | None) -> None:
+    """A 400 context_length_exceeded, before tokenizing, for messages longer than `limit` characters."""
+    chars = sum(len(m["content"]) for m in messages)
+    if limit is not None and chars > limit:
+        raise RequestError(400, f"This model's maximum context length is {context} tokens. However, your messages "
+                                f"hold {chars} characters, more than {context} tokens can hold ({limit}). Please "
+                                "reduce the length of the messages.", "messages", "context_length_exceeded")
 
 
 def parse_messages(value) -> list[dict]:

@@ -5,9 +5,11 @@
     POST /v1/chat/completions    messages, temperature, top_p, top_k, max_tokens (max_completion_tokens),
                                  stop, seed, stream, stream_options.include_usage, n (1 only)
 
-Requests are read by a thread each (ThreadingHTTPServer) and checked (requests.py: fields
-and limits; security.py: API key, Origin, Host, Content-Type); the model belongs to one
-scheduler thread that decodes every request's answer in one batch (scheduler.py). `stream:
+Connections are read by a thread each, at most --max-connections at once, the next ones answered
+503 with Retry-After (connections.py); a body above --max-body is refused (413) before it is read.
+Requests are checked (requests.py: fields and limits; security.py: API key, Origin, Host,
+Content-Type); the model belongs to one scheduler thread that decodes every request's answer in
+one batch (scheduler.py). `stream:
 true` answers with server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 A request that is wrong gets OpenAI's error body, {"error": {"message", "type", "param",
 "code"}}, with the matching status, and the server goes on serving. Other fields OpenAI
@@ -21,6 +23,7 @@ thread is joined, so nothing runs inside torch at exit; then the process exits 0
 from __future__ import annotations
 
 import json
+import re
 import select
 import signal
 import socket
@@ -33,13 +36,13 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..errors import MudpuppyError
+from .connections import BACKLOG, RETRY_AFTER, Admission, discard, dropped_line, is_dropped
 from .engine import ChatModel, GenerationOptions
 from ..backends.decoding import context_length
-from .requests import RequestError, apply_limits, load_json, parse_chat_request
+from .requests import RequestError, apply_limits, check_prompt_size, load_json, parse_chat_request, prompt_char_limit
 from .scheduler import ClientGone, GenerationFailed, Scheduler, Stopping, generate
 from .security import Guard, is_loopback
 
-MAX_BODY = 16 * 2**20
 GRACE = 10.0          # seconds answers in progress get to send their ending at shutdown
 
 
@@ -50,10 +53,13 @@ class ServerLimits:
     max_batch: int = 16                    # answers decoded together (--max-batch); more wait their turn
     api_key: str | None = None
     allow_origins: tuple[str, ...] = ()
+    max_body: int = 4 * 2**20              # bytes in one request body (--max-body); above it, 413 unread
+    max_connections: int = 128             # connections handled at once (--max-connections); more get a 503
 
 
 class ChatServer(ThreadingHTTPServer):
     daemon_threads = True                  # request threads never touch the model; the scheduler's is joined
+    request_queue_size = BACKLOG           # listen backlog: Python's default of 5 resets clients under load
 
     def __init__(self, address: tuple[str, int], model: ChatModel | None, defaults: GenerationOptions, log=None,
                  limits: ServerLimits | None = None):
@@ -65,11 +71,14 @@ class ChatServer(ThreadingHTTPServer):
         self.model: ChatModel | None = None
         self.scheduler: Scheduler | None = None
         self.context: int | None = None
+        self.prompt_chars: int | None = None   # longer messages are refused before tokenizing
         self.busy = threading.Condition()   # guards `answering` and `connections`
         self.answering = 0                   # requests with an answer in progress
         self.connections: set[socket.socket] = set()
         self.stopping = False
-        super().__init__(address, Handler)
+        self.admission = Admission(self.limits.max_connections, self.process_request_thread, self.refuse,
+                                   self.shutdown_request)
+        super().__init__(address, Handler)      # a failed bind calls server_close, which stops the admission
         if model is not None:
             self.attach(model)
 
@@ -77,6 +86,7 @@ class ChatServer(ThreadingHTTPServer):
         """Serve `model`: its scheduler thread starts here."""
         self.model = model
         self.context = context_length(model.handle)
+        self.prompt_chars = prompt_char_limit(model.tokenizer, self.context)
         self.scheduler = Scheduler(model, self.limits.max_batch, self.log)
 
     def model_card(self) -> dict:
@@ -104,7 +114,29 @@ class ChatServer(ThreadingHTTPServer):
 
     def server_close(self) -> None:
         self.stop_answers()
+        self.admission.stop()
         super().server_close()
+
+    # ----------------------------------------------------------------- connections
+    def process_request(self, request, client_address) -> None:
+        self.admission.admit(request, client_address)
+
+    def refuse(self, request, client_address) -> None:
+        """A connection beyond --max-connections: its request read and answered 503 (Overloaded)."""
+        try:
+            Overloaded(request, client_address, self)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that drops its connection is one line; anything else is a bug and keeps its traceback."""
+        exc = sys.exc_info()[1]
+        if is_dropped(exc):
+            self.log(dropped_line(client_address, exc))
+        else:
+            self.log(f"{client_address[0]}:{client_address[1]}: the connection failed\n{traceback.format_exc()}")
 
 
 def start_server(model: ChatModel | None, host: str, port: int, defaults: GenerationOptions,
@@ -200,21 +232,35 @@ class Handler(BaseHTTPRequestHandler):
 
     def guard(self, handler) -> None:
         """Every failure becomes an OpenAI error body; nothing a request does stops the server."""
+        self.body_read = False
         try:
             self.server.guard.check(self.command, self.headers)
             handler()
         except RequestError as exc:
-            if exc.status in (401, 403, 415):
-                self.close_connection = True      # its body was not read
-            self.send_json(exc.status, exc.body())
+            self.refuse(exc)
         except MudpuppyError as exc:
-            self.send_json(400, RequestError(400, str(exc)).body())
-        except (BrokenPipeError, ConnectionResetError, ClientGone):
+            self.refuse(RequestError(400, str(exc)))
+        except (ConnectionError, ClientGone):     # the client left (the scheduler logs a stopped answer)
             self.close_connection = True
+        except TimeoutError as exc:               # its body stopped coming
+            self.close_connection = True
+            self.server.log(dropped_line(self.client_address, exc))
         except Exception as exc:   # a bug: say so, keep serving
             self.server.log(traceback.format_exc())
-            self.send_json(500, RequestError(500, f"The server failed on this request: {type(exc).__name__}: {exc}",
-                                             kind="server_error").body())
+            self.refuse(RequestError(500, f"The server failed on this request: {type(exc).__name__}: {exc}",
+                                     kind="server_error"))
+
+    def refuse(self, exc: RequestError) -> None:
+        """Answer with the error; a body left unread is read and dropped after it, so that closing the
+        connection does not reset the client before it reads the answer (connections.discard)."""
+        unread = not self.body_read and self.command not in ("GET", "HEAD", "OPTIONS")
+        if unread:
+            self.close_connection = True
+        self.send_json(exc.status, exc.body())
+        size = self.declared_length() if unread else None
+        if size:
+            self.wfile.flush()
+            discard(self.rfile, size)
 
     def preflight(self) -> None:
         self.send_response(204)
@@ -246,6 +292,7 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(404, f"Unknown request URL: POST {self.path}.", code="unknown_url")
         server = self.server
         request = parse_chat_request(load_json(self.read_body_raw()), server.model.name, server.defaults)
+        check_prompt_size(request.messages, server.prompt_chars, server.context)
         prompt = server.model.prompt_ids(request.messages)
         options = apply_limits(request, len(prompt), server.context, server.limits.max_tokens)
         if server.stopping:
@@ -263,21 +310,30 @@ class Handler(BaseHTTPRequestHandler):
                 server.busy.notify_all()
 
     # ----------------------------------------------------------------- bodies
+    def declared_length(self) -> int | None:
+        """The body's size by its one Content-Length header: ASCII digits only (int() would take "+5",
+        " 5", "5_0"); None when it is missing, repeated, malformed, or the body is chunked."""
+        values = self.headers.get_all("Content-Length") or []
+        if len(values) != 1 or self.headers.get("Transfer-Encoding") is not None:
+            return None
+        value = values[0].strip()
+        return int(value) if re.fullmatch(r"[0-9]{1,19}", value) else None
+
     def read_body_raw(self) -> bytes:
-        length = self.headers.get("Content-Length")
-        if length is None:
-            self.close_connection = True
-            raise RequestError(411, "A Content-Length header is required.", code="length_required")
-        try:
-            size = int(length)
-        except ValueError:
-            self.close_connection = True
-            raise RequestError(400, f"Invalid Content-Length header: {length!r}.") from None
-        if size < 0 or size > MAX_BODY:
-            self.close_connection = True
-            raise RequestError(413, f"The request body is {size} bytes; the limit is {MAX_BODY}.",
-                               code="request_too_large")
-        return self.rfile.read(size)
+        size = self.declared_length()
+        if size is None:
+            if self.headers.get("Content-Length") is None:
+                raise RequestError(411, "A Content-Length header is required (chunked bodies are not read).",
+                                   code="length_required")
+            shown = ", ".join(repr(v) for v in self.headers.get_all("Content-Length"))
+            raise RequestError(400, f"Invalid Content-Length header: {shown}.", code="invalid_content_length")
+        limit = self.server.limits.max_body
+        if size > limit:
+            raise RequestError(413, f"The request body is {size} bytes; this server reads at most {limit} "
+                                    "(--max-body).", code="request_too_large")
+        body = self.rfile.read(size)
+        self.body_read = True
+        return body
 
     def send_json(self, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode("utf-8")
@@ -286,6 +342,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
+        if status == 503:
+            self.send_header("Retry-After", str(RETRY_AFTER))
         self.cors_headers()
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -368,6 +426,21 @@ class Handler(BaseHTTPRequestHandler):
     def send_event(self, payload: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(payload).encode("utf-8") + b"\n\n")
         self.wfile.flush()
+
+
+class Overloaded(Handler):
+    """The answer to a connection beyond --max-connections: its request read, a 503 with Retry-After."""
+    timeout = 2            # one thread answers these, one at a time: a slow client must not hold it
+
+    def do_GET(self) -> None:
+        self.guard(self.overloaded)
+
+    do_POST = do_OPTIONS = do_GET
+
+    def overloaded(self) -> None:
+        limit = self.server.limits.max_connections
+        raise RequestError(503, f"The server is handling {limit} connections, its limit (--max-connections); "
+                                f"retry after {RETRY_AFTER} s.", kind="server_error", code="overloaded")
 
 
 def completion_id() -> str:

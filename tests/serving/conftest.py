@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,12 @@ def torch_chat(chat_run):
     from mudpuppy.serving import load_chat_model
 
     return load_chat_model(str(chat_run), "cpu", "fp32")
+
+
+@pytest.fixture(scope="session")
+def nonstop(torch_chat):
+    """The tiny model with no stop token: every answer runs to max_tokens."""
+    return replace(torch_chat, stop_ids=[])
 
 
 def conversation() -> list[dict]:

@@ -7,7 +7,6 @@ import json
 import socket
 import threading
 import time
-from dataclasses import replace
 
 import pytest
 
@@ -46,12 +45,6 @@ class Server:
     def answers(self) -> bool:
         status, body, _ = self.request({"messages": QUESTION, "max_tokens": 2})
         return status == 200 and body["choices"][0]["message"]["role"] == "assistant"
-
-
-@pytest.fixture(scope="module")
-def nonstop(torch_chat):
-    """The tiny model with no stop token: every answer runs to max_tokens."""
-    return replace(torch_chat, stop_ids=[])
 
 
 @pytest.fixture(scope="module")
