@@ -135,9 +135,10 @@ class ChatModel:
         """The prompt text for the next assistant turn: training's rendering of these messages."""
         return render_chat(self.tokenizer, messages, add_generation_prompt=True)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The rendered prompt's ids; special-token text inside a message stays text (literal.py)."""
-        return literal_prompt_ids(self.tokenizer, self.render, messages)
+    def prompt_ids(self, messages: list[dict], max_chars: int | None = None) -> list[int]:
+        """The rendered prompt's ids; special-token text inside a message stays text (literal.py).
+        literal.PromptTooLong, before tokenizing, when the rendered prompt is longer than `max_chars`."""
+        return literal_prompt_ids(self.tokenizer, self.render, messages, max_chars)
 
     def complete(self, messages: list[dict], options: GenerationOptions,
                  on_text: Callable[[str], None] | None = None) -> Completion:

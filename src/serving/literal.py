@@ -30,14 +30,25 @@ def special_texts(tokenizer) -> list[str]:
     return sorted((t for t in found if t), key=len, reverse=True)
 
 
-def literal_prompt_ids(tokenizer, render, messages: list[dict]) -> list[int]:
+class PromptTooLong(ValueError):
+    """The rendered prompt has more characters than `max_chars`: it was not tokenized."""
+
+    def __init__(self, chars: int, limit: int):
+        super().__init__(f"the prompt has {chars} characters, more than {limit}")
+        self.chars, self.limit = chars, limit
+
+
+def literal_prompt_ids(tokenizer, render, messages: list[dict], max_chars: int | None = None) -> list[int]:
     """`render(messages)` tokenized with the special tokens the template writes, and every special
-    token's text inside a message's content as plain text."""
+    token's text inside a message's content as plain text. PromptTooLong, before tokenizing, when the
+    rendered text is longer than `max_chars` (many short messages render long: the template's text)."""
     specials = special_texts(tokenizer)
     pattern = re.compile("|".join(re.escape(t) for t in specials)) if specials else None
     if pattern is None or not any(pattern.search(m.get("content") or "") for m in messages
                                   if isinstance(m.get("content"), str)):
-        return encode(tokenizer, render(messages))
+        text = render(messages)
+        check_length(len(text), max_chars)
+        return encode(tokenizer, text)
     nonce = secrets.token_hex(8)
     literals: list[str] = []
 
@@ -48,13 +59,19 @@ def literal_prompt_ids(tokenizer, render, messages: list[dict]) -> list[int]:
     hidden = [{**m, "content": pattern.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m
               for m in messages]
     pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", render(hidden))
+    texts, literal = pieces[0::2], [literals[int(k)] for k in pieces[1::2]]
+    check_length(sum(map(len, texts)) + sum(map(len, literal)), max_chars)
     ids: list[int] = []
-    for i, piece in enumerate(pieces):
-        if i % 2 == 0:
-            ids += encode(tokenizer, piece) if piece else []
-        else:
-            ids += encode(tokenizer, literals[int(piece)], split_special_tokens=True)
+    for i, text in enumerate(texts):
+        ids += encode(tokenizer, text) if text else []
+        if i < len(literal):
+            ids += encode(tokenizer, literal[i], split_special_tokens=True)
     return ids
+
+
+def check_length(chars: int, max_chars: int | None) -> None:
+    if max_chars is not None and chars > max_chars:
+        raise PromptTooLong(chars, max_chars)
 
 
 def encode(tokenizer, text: str, **kwargs) -> list[int]:

@@ -165,12 +165,16 @@ def prompt_char_limit(tokenizer, context: int | None) -> int | None:
 
 
 def check_prompt_size(messages: list[dict], limit: int | None, context: int | None) -> None:
-    """A 400 context_length_exceeded, before tokenizing, for messages longer than `limit` characters."""
+    """A 400 context_length_exceeded, before rendering, for messages longer than `limit` characters."""
     chars = sum(len(m["content"]) for m in messages)
     if limit is not None and chars > limit:
-        raise RequestError(400, f"This model's maximum context length is {context} tokens. However, your messages "
-                                f"hold {chars} characters, more than {context} tokens can hold ({limit}). Please "
-                                "reduce the length of the messages.", "messages", "context_length_exceeded")
+        raise too_many_chars("messages hold", chars, limit, context)
+
+
+def too_many_chars(what: str, chars: int, limit: int, context: int | None) -> RequestError:
+    return RequestError(400, f"This model's maximum context length is {context} tokens. However, your {what} "
+                             f"{chars} characters, more than {context} tokens can hold ({limit}). Please reduce the "
+                             "length of the messages.", "messages", "context_length_exceeded")
 
 
 def parse_messages(value) -> list[dict]:

@@ -39,7 +39,9 @@ from ..errors import MudpuppyError
 from .connections import BACKLOG, RETRY_AFTER, Admission, discard, dropped_line, is_dropped
 from .engine import ChatModel, GenerationOptions
 from ..backends.decoding import context_length
-from .requests import RequestError, apply_limits, check_prompt_size, load_json, parse_chat_request, prompt_char_limit
+from .literal import PromptTooLong
+from .requests import (RequestError, apply_limits, check_prompt_size, load_json, parse_chat_request, prompt_char_limit,
+                       too_many_chars)
 from .scheduler import ClientGone, GenerationFailed, Scheduler, Stopping, generate
 from .security import Guard, is_loopback
 
@@ -232,7 +234,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def guard(self, handler) -> None:
         """Every failure becomes an OpenAI error body; nothing a request does stops the server."""
-        self.body_read = False
+        self.body_read = self.in_answer = False
         try:
             self.server.guard.check(self.command, self.headers)
             handler()
@@ -240,11 +242,12 @@ class Handler(BaseHTTPRequestHandler):
             self.refuse(exc)
         except MudpuppyError as exc:
             self.refuse(RequestError(400, str(exc)))
-        except (ConnectionError, ClientGone):     # the client left (the scheduler logs a stopped answer)
+        except ClientGone:                        # it left during its answer: the scheduler logs that
             self.close_connection = True
-        except TimeoutError as exc:               # its body stopped coming
+        except (ConnectionError, TimeoutError) as exc:    # it left, or its body stopped coming
             self.close_connection = True
-            self.server.log(dropped_line(self.client_address, exc))
+            if not self.in_answer:
+                self.server.log(dropped_line(self.client_address, exc))
         except Exception as exc:   # a bug: say so, keep serving
             self.server.log(traceback.format_exc())
             self.refuse(RequestError(500, f"The server failed on this request: {type(exc).__name__}: {exc}",
@@ -293,12 +296,16 @@ class Handler(BaseHTTPRequestHandler):
         server = self.server
         request = parse_chat_request(load_json(self.read_body_raw()), server.model.name, server.defaults)
         check_prompt_size(request.messages, server.prompt_chars, server.context)
-        prompt = server.model.prompt_ids(request.messages)
+        try:     # many short messages pass that check; rendered, the template's text counts too
+            prompt = server.model.prompt_ids(request.messages, server.prompt_chars)
+        except PromptTooLong as exc:
+            raise too_many_chars("rendered messages have", exc.chars, exc.limit, server.context) from None
         options = apply_limits(request, len(prompt), server.context, server.limits.max_tokens)
         if server.stopping:
             raise RequestError(503, "The server is shutting down.", kind="server_error", code="shutting_down")
         with server.busy:
             server.answering += 1
+        self.in_answer = True           # from here, a client that leaves is logged by the scheduler
         try:
             if request.stream:
                 self.stream_completion(prompt, options, request.include_usage)
@@ -438,6 +445,7 @@ class Overloaded(Handler):
     do_POST = do_OPTIONS = do_GET
 
     def overloaded(self) -> None:
+        self.close_connection = True       # one answer, then the overflow thread takes the next connection
         limit = self.server.limits.max_connections
         raise RequestError(503, f"The server is handling {limit} connections, its limit (--max-connections); "
                                 f"retry after {RETRY_AFTER} s.", kind="server_error", code="overloaded")

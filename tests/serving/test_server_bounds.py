@@ -110,11 +110,16 @@ def test_a_body_whose_length_is_not_one_plain_number_is_refused(server, headers,
     assert server.answers()
 
 
-def test_a_client_that_resets_mid_headers_is_one_log_line(server, capfd):
+@pytest.mark.parametrize("sent", [
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty",            # mid-headers
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 1000\r\n\r\n{\"messages\": [",                                      # mid-body
+])
+def test_a_client_that_resets_mid_request_is_one_log_line(server, capfd, sent):
     seen = len(server.lines)
     sock = socket.create_connection(("127.0.0.1", server.port))
     local = sock.getsockname()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
+    sock.sendall(sent)
     time.sleep(0.2)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close with a reset
     sock.close()
@@ -181,3 +186,14 @@ def test_concurrent_clients_get_an_answer_or_a_503_never_a_reset(nonstop, pool):
         assert "503" not in counts, counts
     else:
         assert counts.get("503", 0) > 0, counts
+
+
+def test_many_short_messages_are_refused_before_tokenizing(server):
+    """Empty messages pass the count of message characters; rendered, each is a turn of template text."""
+    messages = [{"role": "user", "content": ""}] * 5000
+    started = time.monotonic()
+    status, body, _ = server.request({"messages": messages})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert "rendered messages have" in body["error"]["message"]
+    assert time.monotonic() - started < 5
+    assert server.answers()
