@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from .engine import GenerationOptions
 
 MAX_DEPTH = 64
+MAX_STOP = 512                            # characters in one stop string
 SEED_RANGE = (-2**63, 2**63 - 1)          # what OpenAI documents (int64); torch and MLX wrap it to 64 bits
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -213,12 +214,16 @@ def message_text(content, where: str) -> str:
 
 
 def parse_stop(value) -> tuple[str, ...]:
+    """Up to 4 strings of at most MAX_STOP characters: each token's text is checked against every way each
+    stop string could start at its end (text.TextStream.held_back), which costs the square of its length."""
     if value is None:
         return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and len(value) <= 4 and all(isinstance(s, str) for s in value):
-        return tuple(value)
+    stops = [value] if isinstance(value, str) else value
+    if isinstance(stops, list) and len(stops) <= 4 and all(isinstance(s, str) for s in stops):
+        if any(len(s) > MAX_STOP for s in stops):
+            raise RequestError(400, f"Invalid value for 'stop': each stop string may hold at most {MAX_STOP} "
+                                    "characters.", "stop", "invalid_value")
+        return tuple(stops)
     raise RequestError(400, "Invalid value for 'stop': expected a string or an array of up to 4 strings.", "stop",
                        "invalid_value")
 

@@ -76,6 +76,8 @@ def raw_with(field: str, literal: str) -> bytes:
     (body_with(seed=2**70), "seed", "invalid_value"),
     (body_with(seed=-2**70), "seed", "invalid_value"),
     (body_with(top_k=2**40), "top_k", "invalid_value"),
+    (body_with(stop="x" * 513), "stop", "invalid_value"),                         # costs its length squared
+    (body_with(stop=["end", "y" * 100_000]), "stop", "invalid_value"),
     (raw_with("seed", "1" * 5000), None, "invalid_json"),                        # beyond Python's int digits
     (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None, "invalid_json"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "user": {"\\udfff": 1}}', None, "invalid_json"),
