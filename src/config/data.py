@@ -12,6 +12,12 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .base import _Strict, outside_check
 
+# One record's size limit by default: 4 MiB, about a million tokens of text, past any sequence a model
+# trains on. Tokenizing one record takes a few hundred times its size in memory (measured through
+# `mudpuppy preprocess` on the tiny test tokenizer: a 4 MB line peaked at 2.0 GB, a 16 MB one at 6.8 GB,
+# a 60 MB one past 10 GB), so a larger default would not bound anything.
+MAX_RECORD_BYTES = 4 * 2**20
+
 DATASET_TYPES = (
     "auto", "chat", "text", "instruction", "completion",
     "preference", "kto", "reward", "rl", "prm",
@@ -58,6 +64,9 @@ class DataConfig(_Strict):
     group_by_length: bool = Field(False, description="batch examples of similar length together")
     shuffle: bool = True
     skip_bad_records: bool = False
+    max_record_bytes: int = Field(
+        MAX_RECORD_BYTES, gt=0, description="largest record read from a data file (a JSON line's bytes); a larger "
+                                            "one is an error naming file:line (or skipped with skip_bad_records)")
     cache: bool = Field(True, description="reuse data tokenized by `mudpuppy preprocess` when it still matches")
     cache_dir: str | None = Field(None, description="where tokenized data is cached; default <mudpuppy cache>/data")
 

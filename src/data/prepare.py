@@ -95,7 +95,8 @@ def load_dataset(cfg, spec, images: bool = False) -> LoadedDataset:
     if "tool" in spec.roles_to_train:
         raise DataError(name, None, "roles_to_train includes 'tool', but tool results never carry loss: they are "
                                     "what a tool returned, not what the model writes; leave 'tool' out")
-    raw = read_source(path, name, split=spec.split, subset=spec.subset, tolerant=tolerant)
+    raw = read_source(path, name, split=spec.split, subset=spec.subset, tolerant=tolerant,
+                      max_record_bytes=cfg.data.max_record_bytes)
     raw.records = raw.records[: spec.num_samples]
     for rec in raw.records:
         rec.data = rename_fields(rec.data, spec.field_map)

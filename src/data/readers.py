@@ -4,6 +4,7 @@ JSONL and JSON are parsed here, line by line, so that every problem names
 its line. CSV and Parquet go through pandas and pyarrow (the libraries
 `datasets` itself uses) and name the row; hub datasets go through
 `datasets.load_dataset`. Nothing here knows about formats: see `formats.py`.
+Every record is held to `data.max_record_bytes` and to one value per key (`limits.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
+from .limits import MAX_RECORD_BYTES, DuplicateKey, duplicate_column, line_spans, oversize, record_size, unique_keys
 
 LOCAL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet")
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip")
@@ -68,14 +70,14 @@ def data_suffix(path: Path) -> str:
 
 
 def read_source(path: Path, name: str, *, split: str = "train", subset: str | None = None,
-                tolerant: bool = False) -> RawSource:
+                tolerant: bool = False, max_record_bytes: int = MAX_RECORD_BYTES) -> RawSource:
     """Read a local file by its suffix, or else the hub dataset called `name`."""
     if is_local(path):
-        return read_file(path, name, tolerant)
-    return read_hub(name, split, subset)
+        return read_file(path, name, tolerant, max_record_bytes)
+    return check_sizes(read_hub(name, split, subset), max_record_bytes, tolerant)
 
 
-def read_file(path: Path, display: str, tolerant: bool = False) -> RawSource:
+def read_file(path: Path, display: str, tolerant: bool = False, max_record_bytes: int = MAX_RECORD_BYTES) -> RawSource:
     if not path.is_file():
         what = "is a directory, not a data file" if path.is_dir() else "file not found"
         raise DataError(display, None, f"{what} (looked at {path})")
@@ -91,7 +93,10 @@ def read_file(path: Path, display: str, tolerant: bool = False) -> RawSource:
                                        f"({', '.join(COMPRESSED_SUFFIXES)})")
     if suffix in TEXT_SUFFIXES:
         raw = as_utf8_text(raw, display)
-    source = readers[suffix](raw, display, tolerant, Path(f"data{suffix}"))
+    if suffix in (".jsonl", ".ndjson", ".json"):     # measured while parsing, before each record is built
+        source = readers[suffix](raw, display, tolerant, Path(f"data{suffix}"), max_record_bytes)
+    else:
+        source = check_sizes(readers[suffix](raw, display, tolerant, Path(f"data{suffix}")), max_record_bytes, tolerant)
     if not source.records and not source.problems:
         raise DataError(display, None, "the file holds no records")
     if not source.records:
@@ -180,6 +185,22 @@ def as_utf8_text(raw: bytes, display: str) -> bytes:
     return raw
 
 
+def check_sizes(source: RawSource, limit: int, tolerant: bool) -> RawSource:
+    """Records a library parsed (CSV, Parquet, hub) held to `limit`, before any reaches the tokenizer."""
+    kept = []
+    for record in source.records:
+        size = record_size(record.data)
+        if size <= limit:
+            kept.append(record)
+            continue
+        error = record_error(source.name, record, oversize(size, limit))
+        if not tolerant:
+            raise error
+        source.problems.append(Problem(record.line, error.detail if record.line is not None else str(error)))
+    source.records = kept
+    return source
+
+
 def fingerprint_bytes(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
@@ -198,12 +219,16 @@ def find_bad_utf8(raw: bytes) -> tuple[int, str] | None:
 
 # --------------------------------------------------------------------------- JSON lines
 
-def read_jsonl(raw: bytes, name: str, tolerant: bool, path: Path | None = None) -> RawSource:
-    """One JSON object per line; blank lines are skipped."""
+def read_jsonl(raw: bytes, name: str, tolerant: bool, path: Path | None = None,
+               limit: int = MAX_RECORD_BYTES) -> RawSource:
+    """One JSON object per line; blank lines are skipped. A line's length is known before it is copied
+    or parsed, so an oversized one costs a scan for its end and nothing more."""
     source = RawSource(name, [], fingerprint_bytes(raw))
-    for lineno, line_bytes in enumerate(raw.split(b"\n"), start=1):
+    for lineno, start, end in line_spans(raw):
         try:
-            record = parse_json_line(line_bytes, name, lineno)
+            if end - start > limit:
+                raise DataError(name, lineno, oversize(end - start, limit, "this line"))
+            record = parse_json_line(raw[start:end], name, lineno)
         except DataError as exc:
             if not tolerant:
                 raise
@@ -224,9 +249,13 @@ def parse_json_line(line_bytes: bytes, name: str, lineno: int) -> dict | None:
     if not line.strip():
         return None
     try:
-        record = json.loads(line)
+        record = json.loads(line, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
         raise DataError(name, lineno, f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+    except DuplicateKey as exc:
+        raise DataError(name, lineno, exc.message()) from None
+    except RecursionError:
+        raise DataError(name, lineno, "JSON nested too deeply (objects or arrays hundreds of levels deep)") from None
     if not isinstance(record, dict):
         raise DataError(name, lineno, f"expected a JSON object {{...}}, found {_json_kind(record)}")
     return record
@@ -242,7 +271,8 @@ def _json_kind(value) -> str:
 RECORD_LIST_KEYS = ("data", "rows", "records", "examples")
 
 
-def read_json(raw: bytes, name: str, tolerant: bool, path: Path | None = None) -> RawSource:
+def read_json(raw: bytes, name: str, tolerant: bool, path: Path | None = None,
+              limit: int = MAX_RECORD_BYTES) -> RawSource:
     """A JSON array of objects (each tagged with the line it starts on), an object holding
     one such array (`{"data": [...]}`, or beside other keys under data/rows/records/examples),
     pandas' `to_json` layouts (split, columns), or JSON lines saved with a .json suffix."""
@@ -254,20 +284,30 @@ def read_json(raw: bytes, name: str, tolerant: bool, path: Path | None = None) -
     if start == len(text):
         raise DataError(name, None, "the file holds no records")
     if text[start] == "[":
-        return _read_json_array(text, start, name, fingerprint_bytes(raw), tolerant)
+        return _read_json_array(text, start, name, fingerprint_bytes(raw), tolerant, limit)
+    duplicate = None
     try:
-        whole = json.loads(text)
-    except json.JSONDecodeError:
-        return read_jsonl(raw, name, tolerant)     # JSON lines under a .json name
+        whole = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        # Read again to find the records; each is checked again below, naming its line.
+        duplicate, whole = DataError(name, None, exc.message()), json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return read_jsonl(raw, name, tolerant, limit=limit)     # JSON lines under a .json name
     if not isinstance(whole, dict):
-        return read_jsonl(raw, name, tolerant)
+        return read_jsonl(raw, name, tolerant, limit=limit)
     table = _pandas_layout(whole)
     if table is not None:
-        return RawSource(name, [Record(r, i + 1) for i, r in enumerate(table)], fingerprint_bytes(raw))
+        if duplicate is not None:
+            raise duplicate
+        source = RawSource(name, [Record(r, i + 1) for i, r in enumerate(table)], fingerprint_bytes(raw))
+        return check_sizes(source, limit, tolerant)
     key = _record_list_key(whole)
     if key is None:
-        return read_jsonl(raw, name, tolerant)     # a single object: one JSON line
-    return _read_json_array(text, _value_start(text, start, key), name, fingerprint_bytes(raw), tolerant)
+        return read_jsonl(raw, name, tolerant, limit=limit)     # a single object: one JSON line
+    source = _read_json_array(text, _value_start(text, start, key), name, fingerprint_bytes(raw), tolerant, limit)
+    if duplicate is not None:          # outside the records: in the object that holds them
+        raise duplicate
+    return source
 
 
 def _value_start(text: str, pos: int, key: str) -> int:
@@ -306,22 +346,33 @@ def _pandas_layout(whole: dict) -> list[dict] | None:
     return None
 
 
-def _read_json_array(text: str, pos: int, name: str, fingerprint: str, tolerant: bool) -> RawSource:
-    decoder = json.JSONDecoder()
+def _read_json_array(text: str, pos: int, name: str, fingerprint: str, tolerant: bool,
+                     limit: int = MAX_RECORD_BYTES) -> RawSource:
+    decoder = json.JSONDecoder(object_pairs_hook=unique_keys)
     source = RawSource(name, [], fingerprint)
     pos = _skip_ws(text, pos + 1)
+    line, counted = 1, 0
     while pos < len(text) and text[pos] != "]":
-        line = text.count("\n", 0, pos) + 1
+        line, counted = line + text.count("\n", counted, pos), pos      # counted once, not from the top
         try:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
             raise DataError(name, exc.lineno, f"malformed JSON: {exc.msg} at column {exc.colno}") from None
-        if isinstance(value, dict):
+        except RecursionError:
+            raise DataError(name, line, "JSON nested too deeply (objects or arrays hundreds of levels deep)") from None
+        except DuplicateKey as exc:
+            value, end, problem = None, _end_of_value(text, pos), exc.message()
+        else:
+            problem = None if isinstance(value, dict) else f"expected a JSON object {{...}}, found {_json_kind(value)}"
+        size = end - pos if end - pos > limit // 4 else 0      # characters; bytes measured only near the limit
+        if size and len(text[pos:end].encode("utf-8")) > limit:
+            problem = oversize(len(text[pos:end].encode("utf-8")), limit)
+        if problem is None:
             source.records.append(Record(value, len(source.records) + 1, line))
         elif tolerant:
-            source.problems.append(Problem(line, f"expected a JSON object {{...}}, found {_json_kind(value)}"))
+            source.problems.append(Problem(line, problem))
         else:
-            raise DataError(name, line, f"expected a JSON object {{...}}, found {_json_kind(value)}")
+            raise DataError(name, line, problem)
         pos = _skip_ws(text, end)
         if pos < len(text) and text[pos] == ",":
             pos = _skip_ws(text, pos + 1)
@@ -331,6 +382,11 @@ def _read_json_array(text: str, pos: int, name: str, fingerprint: str, tolerant:
     if pos >= len(text):
         raise DataError(name, text.count("\n") + 1, "malformed JSON: the array is never closed with ']'")
     return source
+
+
+def _end_of_value(text: str, pos: int) -> int:
+    """Where the JSON value at `pos` ends, read without the duplicate-key check (to skip past it)."""
+    return json.JSONDecoder().raw_decode(text, pos)[1]
 
 
 def _skip_ws(text: str, pos: int) -> int:
@@ -343,6 +399,7 @@ def _skip_ws(text: str, pos: int) -> int:
 
 def read_csv(raw: bytes, name: str, tolerant: bool, path: Path) -> RawSource:
     """A header row, then one record per row, each tagged with the line it starts on."""
+    import csv
     import io
 
     import pandas as pd
@@ -360,7 +417,10 @@ def read_csv(raw: bytes, name: str, tolerant: bool, path: Path) -> RawSource:
     except pd.errors.ParserError as exc:
         raise DataError(name, None, f"malformed CSV: {exc}") from None
     frame = frame.astype(object).where(frame.notna(), None)
-    lines = _csv_row_lines(raw.decode("utf-8"), sep)
+    text = raw.decode("utf-8")
+    header = next((row for row in csv.reader(io.StringIO(text), delimiter=sep) if row), [])
+    _refuse_duplicate_columns(name, header, None)
+    lines = _csv_row_lines(text, sep)
     records = [Record(_drop_missing(r), i + 1, lines[i] if i < len(lines) else None)
                for i, r in enumerate(frame.to_dict("records"))]
     return RawSource(name, records, fingerprint_bytes(raw))
@@ -388,8 +448,16 @@ def read_parquet(raw: bytes, name: str, tolerant: bool, path: Path) -> RawSource
         table = pq.read_table(io.BytesIO(raw))
     except Exception as exc:   # pyarrow raises several unrelated types for a bad file
         raise DataError(name, None, f"not a readable Parquet file ({exc})") from None
+    _refuse_duplicate_columns(name, table.column_names, None)
     records = [Record(_drop_missing(r), i + 1) for i, r in enumerate(table.to_pylist())]
     return RawSource(name, records, fingerprint_bytes(raw))
+
+
+def _refuse_duplicate_columns(name: str, columns: list[str], line: int | None) -> None:
+    """Two columns of one name would become one field (pandas renames the second, Arrow keeps the last)."""
+    twice = duplicate_column(columns)
+    if twice is not None:
+        raise DataError(name, line, f"the column {twice!r} appears twice in the header; rename or remove one")
 
 
 def _drop_missing(row: dict) -> dict:
