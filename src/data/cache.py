@@ -6,22 +6,33 @@ data settings that change tokens or masks. Anything else (packing, batch
 sizes, shuffling) is applied after loading, so changing it keeps the cache.
 An entry is a directory holding ``arrays.npz`` and ``meta.json``, written to
 a temporary name and renamed, so a crash never leaves a half entry behind.
+An entry damaged later (a truncated file, a disk error) is never fatal: it is
+named in one warning and the data is tokenized afresh.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 import time
+import zipfile
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from .examples import AnyExample, Example, LabeledExample, PairExample, PromptExample, StepExample
+
+logger = logging.getLogger(__name__)
+
+# What reading a damaged entry raises: numpy's zip reader (BadZipFile, zlib.error, EOFError), a cut
+# array (ValueError), meta.json out of step with the arrays (KeyError, IndexError, TypeError).
+DAMAGE = (OSError, ValueError, KeyError, IndexError, TypeError, EOFError, zipfile.BadZipFile, zlib.error)
 
 # Bump when tokenization or the entry layout changes: older entries are then ignored.
 CACHE_VERSION = 2   # 2: rl examples keep their prompt among the fields
@@ -115,6 +126,8 @@ def pack_split(items: list[AnyExample], prefix: str) -> tuple[dict[str, np.ndarr
 
 def unpack_split(arrays, metas: list[dict], prefix: str) -> list[AnyExample]:
     ids, mask, lengths = arrays[f"{prefix}_ids"], arrays[f"{prefix}_mask"], arrays[f"{prefix}_lengths"]
+    if len(ids) != len(mask) or int(lengths.sum()) != len(ids) or sum(len(m["sources"]) for m in metas) != len(lengths):
+        raise ValueError(f"{prefix} arrays do not match meta.json")    # slicing would silently cut sequences
     starts = np.concatenate([[0], np.cumsum(lengths)])
     out, k = [], 0
     for meta in metas:
@@ -157,15 +170,24 @@ def write_entry(root: Path, key: str, prepared) -> Path:
 
 
 def read_entry(root: Path, key: str):
-    """(train, val, val_records, report dict, created) from a complete entry, or None."""
+    """(train, val, val_records, report dict, created) from a complete entry, or None: absent or of
+    another version (silently), or damaged (one warning line); either way the caller tokenizes afresh."""
     entry = root / key
+    if not (entry / "meta.json").is_file():
+        return None
     try:
         meta = json.loads((entry / "meta.json").read_text())
-        if meta.get("version") != CACHE_VERSION or meta.get("key") != key:
-            return None
+        if not isinstance(meta, dict) or meta.get("version") != CACHE_VERSION or meta.get("key") != key:
+            return None if isinstance(meta, dict) else _damaged(entry, "meta.json is not an object")
         with np.load(entry / "arrays.npz", allow_pickle=False) as arrays:
             train = unpack_split(arrays, meta["train"], "train")
             val = unpack_split(arrays, meta["val"], "val")
-    except (OSError, ValueError, KeyError, json.JSONDecodeError):
-        return None     # absent, partial or foreign: tokenize afresh
-    return train, val, meta["val_records"], meta["report"], meta["created"]
+        return train, val, meta["val_records"], meta["report"], meta["created"]
+    except DAMAGE as exc:
+        return _damaged(entry, f"{type(exc).__name__}: {str(exc)[:120]}")
+
+
+def _damaged(entry: Path, reason: str) -> None:
+    logger.warning("data cache entry %s is damaged (%s); tokenizing the data afresh (`mudpuppy preprocess` "
+                   "rewrites the entry)", entry, reason)
+    return None
