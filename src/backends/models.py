@@ -32,6 +32,7 @@ from typing import Any
 from ..data.tokenizers import save_tokenizer
 from ..errors import ModelNotFound
 from ..files import check_directory
+from ..gguf_check import check_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +236,7 @@ def convert_gguf_cached(gguf_path: Path, trust_remote_code: bool = False) -> Pat
     target = converted_dir_for(gguf_path)
     if is_complete(target):
         return target
+    check_gguf(gguf_path)       # counts and lengths bounded by the file's size before any GGUF reader trusts them
     target.parent.mkdir(parents=True, exist_ok=True)
     discard_incomplete(target)
     remove_stale_temp_dirs(target)

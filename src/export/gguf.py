@@ -36,7 +36,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import MudpuppyError
-from .gguf_families import FAMILIES, Family, head_dim, notes_of, problems_of, rope_parameters
+from .gguf_families import (FAMILIES, Family, head_dim, notes_of, problems_of, range_problems, rope_parameters,
+                            written_problems)
 from .gguf_vocab import Vocab, build_vocab
 from .tensors import StoredTensor, model_tensors
 
@@ -342,6 +343,7 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     where = str(model_dir)
     family = family_of(config, where)
+    refuse_values(where, "config.json values", range_problems(config))
     tool = check_k_quant_tool(quant)
     vocab = build_vocab(tokenizer, int(config["vocab_size"]), chat_template, eot_id)
     direct = "f16" if tool else quant
@@ -351,6 +353,7 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
     writer = gguf.GGUFWriter(str(target), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
     add_model_metadata(writer, config, family, direct, name, base_model)
     add_vocab(writer, vocab)
+    refuse_values(where, "GGUF metadata", written_problems(writer))
     for p in plan:
         shape, dtype, nbytes = p.info()
         writer.add_tensor_info(p.name, shape, dtype, nbytes, raw_dtype=p.qtype)
@@ -371,6 +374,12 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
             "tensor_types": types if not tool else {"written by llama-quantize": quant.upper()},
             "tokenizer": vocab.describe(), "special_ids": vocab.special_ids,
             "add_bos": vocab.add_bos, "bytes": path.stat().st_size}
+
+
+def refuse_values(where: str, what: str, problems: list[str]) -> None:
+    if problems:
+        raise MudpuppyError(f"{where}: cannot be written as GGUF: {what} out of the range GGUF stores: "
+                            f"{'; '.join(problems[:5])}. Correct the model's config.json")
 
 
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",

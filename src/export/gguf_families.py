@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from ..gguf_check import value_problem
+
 Config = dict
 
 
@@ -331,4 +333,48 @@ def problems_of(family: Family, config: Config) -> list[str]:
         problem = check(config)
         if problem:
             problems.append(problem)
+    return problems
+
+
+# --------------------------------------------------------------------------- value ranges
+
+# config.json keys that llama.cpp reads as uint32 or float32 hyperparameters. A value past its type
+# (max_position_embeddings 2^62) used to fail deep in gguf's writer as struct.error, after the vocabulary
+# had been built to vocab_size; it is refused first, naming the key.
+UINT32_KEYS = ("max_position_embeddings", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "vocab_size", "head_dim", "sliding_window",
+               "num_experts_per_tok", "num_local_experts", "num_experts", "moe_intermediate_size")
+FLOAT32_KEYS = ("rms_norm_eps", "layer_norm_eps", "rope_theta")
+
+
+def range_problems(config: Config) -> list[str]:
+    """The config.json values a GGUF's metadata types cannot hold, converted as the writer converts them."""
+    problems = []
+    for keys, convert, type_name in ((UINT32_KEYS, int, "uint32"), (FLOAT32_KEYS, float, "float32")):
+        for key in keys:
+            if config.get(key) is None:
+                continue
+            try:
+                problem = value_problem(convert(config[key]), type_name)
+            except (TypeError, ValueError, OverflowError):
+                problem = f"{config[key]!r:.60} is not a number"
+            if problem:
+                problems.append(f"{key}: {problem}")
+    return problems
+
+
+def written_problems(writer) -> list[str]:
+    """Every metadata value held by a gguf.GGUFWriter that its GGUF type cannot store: checked before the
+    header is written, so nothing fails half-way through the file."""
+    import gguf
+
+    problems = []
+    for key, item in writer.kv_data[0].items():
+        if item.type != gguf.GGUFValueType.ARRAY:
+            problem = value_problem(item.value, item.type.name.lower())
+        else:
+            types = (item.sub_type or gguf.GGUFValueType.get_type(v) for v in item.value)
+            problem = next(filter(None, (value_problem(v, t.name.lower()) for v, t in zip(item.value, types))), None)
+        if problem:
+            problems.append(f"{key}: {problem}")
     return problems
