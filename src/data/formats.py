@@ -123,7 +123,7 @@ def detect_format(source: RawSource, declared: str = "auto", tolerant: bool = Fa
     if not seen:
         first = source.records[0]
         expected = "; ".join(f"{f.name} {f.describe_keys()}" for f in FORMATS.values())
-        raise record_error(source.name, first, f"no known format: found fields {sorted(first.data)}; expected one of: "
+        raise record_error(source.name, first, f"no known format: found fields {_fields(first.data)}; expected one of: "
                                                f"{expected} (rename fields with field_map, or set type:)")
     if len(seen) > 1 and not tolerant:
         raise DataError(source.name, None, _describe_mix(seen))
@@ -180,7 +180,7 @@ def normalize_record(fmt: str, record: dict, images: bool = False) -> dict:
     missing = _missing_keys(spec, record)
     if missing:
         raise ValueError(f"missing field {', '.join(map(repr, missing))} for {fmt} format "
-                         f"(expected {spec.describe_keys()}, found fields {sorted(record)})")
+                         f"(expected {spec.describe_keys()}, found fields {_fields(record)})")
     out = dict(record)
     if fmt in TOOL_FORMATS_WITH_MESSAGES and record.get("tools") is not None:
         out["tools"] = check_tools(record["tools"])
@@ -265,7 +265,7 @@ def check_messages(messages, key: str = "messages", images: bool = False) -> lis
             raise ValueError(f"{key}[{i}] needs a string 'role', found {_kind(role)}")
         role = ROLE_ALIASES.get(role, role)
         if role not in ROLES:
-            raise ValueError(f"{key}[{i}].role {role!r} is not one of {', '.join(ROLES)} "
+            raise ValueError(f"{key}[{i}].role {_short(role)} is not one of {', '.join(ROLES)} "
                              f"(or ShareGPT's {', '.join(ROLE_ALIASES)})")
         clean = {"role": role, "content": check_content(msg, f"{key}[{i}]", images)}
         if images and isinstance(msg.get("content"), list):
@@ -325,6 +325,18 @@ def image_parts(content: list, where: str, role: str) -> list[dict] | None:
 def _kind(value) -> str:
     if value is None:
         return "nothing (null or absent)"
-    text = repr(value)
-    shown = text if len(text) <= 40 else text[:37] + "..."
-    return f"{type(value).__name__} {shown}"
+    return f"{type(value).__name__} {_short(value)}"
+
+
+def _short(value, limit: int = 40) -> str:
+    """repr(value) cut to `limit` characters: a record may hold megabytes, its error message should not.
+    A long string is cut before its repr is built."""
+    text = repr(value[:limit] if isinstance(value, str) else value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fields(record: dict) -> str:
+    """The record's field names for a message: sorted, each cut short, at most 12 of them."""
+    names = sorted(map(str, record))
+    shown = ", ".join(_short(n) for n in names[:12])
+    return f"[{shown}{f', ... ({len(names) - 12} more)' if len(names) > 12 else ''}]"

@@ -134,6 +134,24 @@ def test_duplicate_columns_in_csv_and_parquet_are_an_error(write, tmp_path):
         read(tmp_path / "dup.parquet")
 
 
+def test_a_bad_value_is_echoed_cut_short(write, tmp_path):
+    from mudpuppy.data.prepare import load_data
+    from mudpuppy.configure import load_config
+
+    def message(record) -> str:
+        path = write("bad.jsonl", [record])
+        cfg = load_config({"model": {"base_model": str(tmp_path)}, "data": {"datasets": [{"path": str(path)}]},
+                           "output_dir": str(tmp_path / "out")}, check_files=False)
+        with pytest.raises(DataError) as info:
+            load_data(cfg)
+        return str(info.value)
+
+    role = message({"messages": [{"role": "w" * 1_000_000, "content": "hi"}]})
+    assert "bad.jsonl:1: messages[0].role 'www" in role and len(role) < 300, role[:500]
+    fields = message({f"field{i:05d}" * 20: i for i in range(10_000)})
+    assert "no known format" in fields and "9988 more" in fields and len(fields) < 2000, fields[:2500]
+
+
 # --------------------------------------------------------------------------- through the CLI
 
 
