@@ -12,6 +12,11 @@ from ..errors import MudpuppyError
 from .common import debug_option, handle_errors, set_option, tui_option
 from .tables import before_after_table
 
+allow_changes_option = click.option(
+    "--allow-changes", is_flag=True,
+    help="With --resume: continue although training settings or data differ from the checkpoint's; each "
+         "change is recorded (metrics.jsonl, run_summary.json) at the step it takes effect.")
+
 
 @click.command()
 @click.argument("config_file", required=False, metavar="[CONFIG]", type=click.Path(dir_okay=False))
@@ -21,13 +26,14 @@ from .tables import before_after_table
 @set_option
 @click.option("--overwrite", is_flag=True, help="Replace an output_dir that already holds a run.")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in output_dir.")
+@allow_changes_option
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Train with N processes on this node: torchrun's engine (torch), mlx.launch (MLX). "
                    "See docs/distributed.md for several nodes.")
 @tui_option
 @debug_option
 @handle_errors
-def run(config_file, config_path, backend, overrides, overwrite, resume, nproc, tui, debug):
+def run(config_file, config_path, backend, overrides, overwrite, resume, allow_changes, nproc, tui, debug):
     """Run the training job a config describes: mudpuppy run CONFIG (or -c CONFIG)."""
     from .. import load_config
     from ..training.curriculum import is_curriculum
@@ -42,19 +48,22 @@ def run(config_file, config_path, backend, overrides, overwrite, resume, nproc, 
         if nproc and nproc > 1:
             raise MudpuppyError("--nproc: a curriculum runs in one process for now")
         _run_curriculum(config_path, list(overrides) + ([f"backend={backend}"] if backend else [])
-                        + (["logging.tui=true"] if tui else []), overwrite)
+                        + (["logging.tui=true"] if tui else []), overwrite, allow_changes)
         return
     overrides = list(overrides) + ([f"backend={backend}"] if backend else []) + (["resume=true"] if resume else [])
     overrides += ["logging.tui=true"] if tui else []
-    _train(load_config(config_path, overrides), overwrite, nproc)
+    _train(load_config(config_path, overrides), overwrite, nproc, allow_changes)
 
 
-def _train(cfg, overwrite: bool, nproc: int | None) -> None:
+def _train(cfg, overwrite: bool, nproc: int | None, allow_changes: bool = False) -> None:
     """Run a validated config: here, or under N processes."""
     from .. import create_backend
     from ..distributed import launched
     from ..training import run as run_method
 
+    if allow_changes and not cfg.resume:
+        raise MudpuppyError("--allow-changes: it lets a resumed run continue with changed settings; add --resume "
+                            "(or resume: true / auto in the config)")
     if nproc and nproc > 1:
         if launched():
             raise MudpuppyError("--nproc: this process is already one of a distributed run (started by torchrun or "
@@ -70,7 +79,7 @@ def _train(cfg, overwrite: bool, nproc: int | None) -> None:
         say(f"backend: {impl.name} on {impl.device}")
         for note in getattr(getattr(impl, "plan", None), "notes", []):
             say(f"  {note}")
-        result = run_method(cfg, impl, overwrite=overwrite, echo=say)
+        result = run_method(cfg, impl, overwrite=overwrite, echo=say, allow_changes=allow_changes)
     say = click.echo if main else say                 # the dashboard has stopped: the table goes below it
     say(before_after_table(result))
     say(f"saved to {result.output_dir} ({result.steps} steps, {result.seconds:.0f} s, "
@@ -121,6 +130,7 @@ def _train(cfg, overwrite: bool, nproc: int | None) -> None:
               help="Write the config to this file and stop (nothing trains).")
 @click.option("--overwrite", is_flag=True, help="Replace an output directory that already holds a run.")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in --output.")
+@allow_changes_option
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help="Train with N processes on this node.")
 @tui_option
 @debug_option
@@ -129,7 +139,7 @@ def train(model, data, method, preference, output, val_data, backend, precision,
           learning_rate, epochs, max_steps, lr_scheduler, warmup_steps, sequence_len, lora_targets, lora_r, lora_alpha,
           quant_backend, merge_lora, merge_precision, stream, zero_offload, tokens_per_batch, gradient_checkpointing,
           compile_, no_chat_template, trust_remote_code, early_stopping, eval_steps, save_steps, log_with, rewards,
-          seed, write_config, overwrite, resume, nproc, tui, debug):
+          seed, write_config, overwrite, resume, allow_changes, nproc, tui, debug):
     """Train MODEL on DATA without a YAML file (the seed's command line): mudpuppy train MODEL DATA --method lora.
 
     The flags become a config (docs/cli.md#train says which key each sets); the run writes it to
@@ -163,10 +173,10 @@ def train(model, data, method, preference, output, val_data, backend, precision,
         click.echo(f"wrote {target}; run it with: mudpuppy run {target}")
         return
     click.echo(f"config: {cfg.method}, adapter {cfg.adapter.type}, {cfg.output_dir}/config.yaml once the run starts")
-    _train(cfg, overwrite, nproc)
+    _train(cfg, overwrite, nproc, allow_changes)
 
 
-def _run_curriculum(config_path, overrides: list[str], overwrite: bool) -> None:
+def _run_curriculum(config_path, overrides: list[str], overwrite: bool, allow_changes: bool = False) -> None:
     """A config with `stages:`: each stage a run, resumed where it stopped when run again (--resume is implied)."""
     from ..monitor.live import watch_run
     from ..training.curriculum import load_curriculum, run_curriculum
@@ -174,7 +184,7 @@ def _run_curriculum(config_path, overrides: list[str], overwrite: bool) -> None:
     cur = load_curriculum(config_path, overrides)
     with watch_run(any(stage.cfg.logging.tui for stage in cur.stages)) as echo:
         echo(f"curriculum: {len(cur.stages)} stages -> {cur.output_dir}")
-        result = run_curriculum(cur, overwrite=overwrite, echo=echo)
+        result = run_curriculum(cur, overwrite=overwrite, echo=echo, allow_changes=allow_changes)
     click.echo(f"report: {result.output_dir / 'curriculum.md'} ({len(result.ran)} stages trained now)")
 
 

@@ -23,8 +23,11 @@ METHODS = {"sft": run_sft, "preference": run_preference, "rm": run_reward, "prm"
            "gptq": _run_gptq, "qat": _run_qat}
 
 
-def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
-    """Run the method a config names on `backend` (created from the config when omitted)."""
+def run(cfg, backend=None, overwrite: bool = False, echo=print, allow_changes: bool = False) -> RunResult:
+    """Run the method a config names on `backend` (created from the config when omitted). `allow_changes`: a
+    resumed run continues with settings or data that differ from its checkpoint's, recording each change,
+    instead of refusing them (`mudpuppy run --resume --allow-changes`; training/resume_changes.py)."""
+    from .resume_changes import allowing
     from ..backends import create_backend
 
     from ..distributed import current
@@ -47,7 +50,8 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print) -> RunResult:
         if not ranks.is_main:
             echo = _silent            # rank 0 speaks for the run
     try:
-        return METHODS[cfg.method](cfg, backend, overwrite=overwrite, echo=echo)
+        with allowing(allow_changes):
+            return METHODS[cfg.method](cfg, backend, overwrite=overwrite, echo=echo)
     finally:
         end_run(cfg.output_dir)       # the run directory's lock goes with the run, whether it ended well or not
 

@@ -13,7 +13,8 @@ Layout of ``output_dir/checkpoints/step-00000010/``:
                                         (backends/portable_state.py, docs/backends.md)
     pipeline_state.json                 step, data position, schedule, eval history
     complete.json                       written last; its presence means "complete"; lists every
-                                        file of the checkpoint with its size
+                                        file of the checkpoint with its size and its sha256, and
+                                        what the run was trained with (resume_changes.py)
 
 In a distributed run every rank writes its part of the weights and optimizer
 into the same staging directory; rank 0 alone creates it, writes the two JSON
@@ -21,19 +22,24 @@ files and renames it once all ranks are done, so a crash of any rank leaves
 the previous checkpoint as the newest complete one.
 
 A checkpoint that is complete can still be damaged later (a disk that
-filled while another program wrote, a copy cut short): `newest_checkpoint`
-checks the files of each before offering it (sizes against the marker's
-list, safetensors headers, JSON, torch files' structure, DCP metadata
-through an allow-list; files.py) and falls back to the next older one that
-reads, saying which it skipped and why. A damaged checkpoint is never
-deleted: when the resumed run writes that step again, the damaged one is
-moved aside to ``checkpoints/.damaged-step-N-<time>``.
+filled while another program wrote, a copy cut short, bytes changed in
+place): `newest_checkpoint` checks the files of each before offering it
+(sizes and sha256 against the marker's lists, safetensors headers, JSON,
+torch files' structure, DCP metadata through an allow-list; files.py) and
+falls back to the next older one that reads, saying which it skipped and
+why. Checkpoints written before the marker held digests get every check but
+the digest. A checkpoint whose damage shows only while it loads is reported
+with `skip_unloadable` and the resume goes on from `older_checkpoint`
+(session.py). A damaged checkpoint is never deleted: when the resumed run
+writes that step again, the damaged one is moved aside to
+``checkpoints/.damaged-step-N-<time>``.
 A write that fails (a full disk) removes its staging directory and ends in
 one message; the checkpoints before it stay.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -50,6 +56,7 @@ MARKER = "complete.json"
 STATE = "pipeline_state.json"
 SHARDED = "sharded"         # a distributed run's DCP files (backends/torch/distributed.py)
 PLAIN = "trainable.safetensors"     # a single process's weights (both backends' state.py)
+DIGESTS = "digests"         # complete.json's key: each file's sha256 when it was written
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -75,7 +82,20 @@ def newest_checkpoint(output_dir: Path, report=None) -> Path | None:
     """The newest complete checkpoint whose files read; each newer damaged one is skipped with one line to
     `report` (stderr by default). None when there is no complete checkpoint; an error listing them when
     none reads."""
-    found = list_checkpoints(output_dir)
+    return _first_readable(list_checkpoints(output_dir), output_dir, report)
+
+
+def older_checkpoint(output_dir: Path, than: Path, report=None) -> Path | None:
+    """The newest complete checkpoint older than `than` whose files read (None when there is none), each
+    damaged one between them skipped with one line: where a resume goes on when `than` did not load."""
+    older = [p for p in list_checkpoints(output_dir) if step_of(p) < step_of(than)]
+    try:
+        return _first_readable(older, output_dir, report)
+    except files.CorruptFile:
+        return None
+
+
+def _first_readable(found: list[Path], output_dir: Path, report) -> Path | None:
     skipped = []
     for path in reversed(found):
         problem = checkpoint_problem(path)
@@ -92,7 +112,29 @@ def newest_checkpoint(output_dir: Path, report=None) -> Path | None:
     return None
 
 
+def skip_unloadable(path: Path, exc: BaseException, report=None) -> str:
+    """A checkpoint that passed the checks but failed while it loaded: damage the checks cannot see (one
+    written before the marker held digests). One line says so; from now on this process treats it as
+    damaged: never offered again, and moved aside rather than deleted when its step is written again."""
+    reason = f"it did not load ({type(exc).__name__}: {_first_line(exc)})"
+    _unloadable[Path(path)] = reason
+    _reported.add(Path(path))
+    (report or _to_stderr)(f"warning: skipping checkpoint {path}: {reason}; it is kept, the next older one is tried")
+    return reason
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else "no message"
+
+
+def step_of(path: Path) -> int:
+    return int(Path(path).name.split("-")[1])
+
+
 _reported: set[Path] = set()        # each damaged checkpoint is reported once per process
+_unloadable: dict[Path, str] = {}   # checkpoints that failed while loading in this process, and why
+_verified: dict[Path, tuple] = {}   # checkpoints whose digests matched, by the state of their files then
 
 
 def _to_stderr(line: str) -> None:
@@ -101,7 +143,10 @@ def _to_stderr(line: str) -> None:
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why the checkpoint at `path` cannot be resumed from (its files damaged), or None. Plain reads only:
-    sizes against the marker's list, then each file's structure (files.py); nothing is unpickled."""
+    sizes and digests against the marker's lists, then each file's structure (files.py); nothing is
+    unpickled."""
+    if Path(path) in _unloadable:
+        return _unloadable[Path(path)]
     try:
         marker = files.read_json(path / MARKER)
         if not isinstance(marker, dict):
@@ -115,6 +160,7 @@ def checkpoint_problem(path: Path) -> str | None:
             if have != size:
                 what = "missing" if have is None else f"{have:,} bytes, written as {size:,}"
                 raise files.CorruptFile(f"{path / name}: {what}")
+        _check_digests(path, marker.get(DIGESTS))
         files.check_directory(path, everything=True)
         if (path / SHARDED).exists():
             if (path / PLAIN).exists():
@@ -125,6 +171,40 @@ def checkpoint_problem(path: Path) -> str | None:
     except OSError as exc:
         return f"cannot be read ({exc})"
     return None
+
+
+def _check_digests(path: Path, digests) -> None:
+    """Each file's sha256 against the one recorded when it was written: damage that keeps the size (bytes
+    changed in place, a bad sector, a copy that went wrong) shows here. Absent in older checkpoints."""
+    if digests is None:
+        return
+    if not isinstance(digests, dict):
+        raise files.CorruptFile(f"{path / MARKER}: its digest list is not a JSON object")
+    state = tuple((name, _stat(path / name)) for name in sorted(digests))
+    if _verified.get(Path(path)) == state:
+        return                      # checked in this process already, and no file changed since
+    for name, want in digests.items():
+        if (path / name).is_file() and file_digest(path / name) != want:
+            raise files.CorruptFile(f"{path / name}: its content changed after it was written (sha256 differs "
+                                    "from the one complete.json recorded)")
+    _verified[Path(path)] = state
+
+
+def _stat(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, read in 4 MiB pieces (a checkpoint's optimizer state can be gigabytes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for piece in iter(lambda: fh.read(4 << 20), b""):
+            h.update(piece)
+    return f"sha256:{h.hexdigest()}"
 
 
 def save_checkpoint(output_dir: Path, step: int, identity: dict, pipeline_state: dict,
@@ -157,9 +237,13 @@ def save_checkpoint(output_dir: Path, step: int, identity: dict, pipeline_state:
 def _finish(output_dir, root: Path, staging: Path, final: Path, step: int, identity: dict, pipeline_state: dict,
             keep_last_n: int | None) -> None:
     (staging / STATE).write_text(json.dumps(pipeline_state), encoding="utf-8")
-    # The size of every file, so a later truncation (or a file gone) shows before anything loads it.
-    written = {p.relative_to(staging).as_posix(): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
-    (staging / MARKER).write_text(json.dumps({"step": step, **identity, "files": written}), encoding="utf-8")
+    # The size and sha256 of every file, so a later truncation, a file gone or bytes changed in place show
+    # before anything loads it.
+    names = [p.relative_to(staging).as_posix() for p in sorted(staging.rglob("*")) if p.is_file()]
+    written = {name: (staging / name).stat().st_size for name in names}
+    digests = {name: file_digest(staging / name) for name in names}
+    (staging / MARKER).write_text(json.dumps({"step": step, **identity, "files": written, DIGESTS: digests}),
+                                  encoding="utf-8")
     _fsync_dir(staging)
     if final.exists():            # a checkpoint of this step from an earlier attempt
         if checkpoint_problem(final) is None:
@@ -167,6 +251,9 @@ def _finish(output_dir, root: Path, staging: Path, final: Path, step: int, ident
         else:                     # one --resume skipped as damaged: kept for inspection, under a name never read
             os.replace(final, root / f".damaged-{final.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.replace(staging, final)
+    for known in (_unloadable, _verified):      # what this process knew of the one replaced
+        known.pop(final, None)
+    _reported.discard(final)
     _fsync_dir(root)
     if keep_last_n:
         for old in list_checkpoints(output_dir)[:-keep_last_n]:

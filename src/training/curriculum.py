@@ -168,9 +168,11 @@ def _carry(merged: dict, previous: Stage) -> None:
 
 
 # --------------------------------------------------------------------------- running
-def run_curriculum(cur: Curriculum, overwrite: bool = False, echo=print, backend_for=None) -> CurriculumResult:
+def run_curriculum(cur: Curriculum, overwrite: bool = False, echo=print, backend_for=None,
+                   allow_changes: bool = False) -> CurriculumResult:
     """Run the stages not finished yet, in order. `backend_for(cfg)` makes each stage's backend
-    (default: create_backend from the stage's config, so a stage can switch runtimes)."""
+    (default: create_backend from the stage's config, so a stage can switch runtimes). `allow_changes`: a
+    stage resumed with other settings than its checkpoint's goes on, recording them (training.run)."""
     from ..backends import create_backend
     from ..distributed import launched
 
@@ -180,10 +182,11 @@ def run_curriculum(cur: Curriculum, overwrite: bool = False, echo=print, backend
     with rundir.locked(out):            # a second process on this curriculum stops here, naming this one
         _prepare(cur, overwrite)
         return _run_stages(cur, out, echo, backend_for or (lambda cfg: create_backend(cfg.backend,
-                                                                                      **cfg.backend_options())))
+                                                                                      **cfg.backend_options())),
+                           allow_changes)
 
 
-def _run_stages(cur: Curriculum, out: Path, echo, backend_for) -> CurriculumResult:
+def _run_stages(cur: Curriculum, out: Path, echo, backend_for, allow_changes: bool = False) -> CurriculumResult:
     from . import run as run_one
     from .checkpoints import newest_checkpoint
 
@@ -210,7 +213,8 @@ def _run_stages(cur: Curriculum, out: Path, echo, backend_for) -> CurriculumResu
              + (f", resuming from {checkpoint.name}" if checkpoint else ""))
         # A stage that died before its first checkpoint starts over; its directory is one of ours.
         try:
-            finished = run_one(cfg, backend, overwrite=checkpoint is None and stage.dir.exists(), echo=echo)
+            finished = run_one(cfg, backend, overwrite=checkpoint is None and stage.dir.exists(), echo=echo,
+                               allow_changes=allow_changes)
         finally:
             rundir.end_run(stage.dir)      # the stage's lock, also when it failed (the curriculum keeps its own)
         if trained.trained_metrics(cfg):

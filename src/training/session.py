@@ -4,13 +4,15 @@ A recipe (sft.py, runner.py for preference / reward / PRM, grpo.py, qat.py) read
 first, so that a data problem costs nothing, then:
 
     run = start_run(cfg, backend, overwrite, echo, started)     output_dir claimed (locked; a run that
-                                                                --overwrite replaces stays), seed, model
+                                                                --overwrite replaces stays), a resume's
+                                                                changed settings checked, seed, model
     ... the method's data, tokenized with run.handle.tokenizer
     run.take_output_dir()                                       the replaced run goes, the config copy comes
     run.measure_before(measure)                                 held-out numbers before training
     run.attach_adapter()                                        with its two lines of output
     trainer = run.create_trainer(); batcher = ...
     steps = run.restore(batcher)                                a resumed run's state back from its checkpoint
+                                                                (the next older one when it does not load)
     stopped_early = train_loop(cfg, trainer, batcher, run.state, steps, run.checkpoint_writer(batcher), ...,
                                callbacks=run.callbacks())
     ... save what was trained
@@ -24,14 +26,18 @@ before it claims output_dir.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .. import files
+from ..distributed import current as current_ranks
+from ..errors import MudpuppyError
 from ..evaluation.result import EvalResult
 from ..monitor.memory import MemoryPhases
-from . import outputs
+from . import checkpoints, outputs, resume_changes
 from .loop import LoopState, checkpoint_writer, restore, resumed_step, total_steps_for
 from .merge import merge_at_end
 from .outputs import Claim, RunResult
@@ -53,6 +59,9 @@ class Run:
     info: object = None                         # the attached adapter (protocol.AdapterInfo)
     trainer: object = None
     memory: MemoryPhases | None = None          # peak device memory by phase, once the loop has callbacks
+    record: dict = field(default_factory=dict)  # what trains this run (resume_changes.trained_with)
+    changes: list[dict] = field(default_factory=list)   # settings changed at a resume: earlier ones, then this one's
+    accepted: list[dict] = field(default_factory=list)  # those this resume accepted
 
     @property
     def out(self) -> Path:
@@ -63,8 +72,23 @@ class Run:
         return self.claim.resume_from
 
     def take_output_dir(self) -> Path:
-        """Once the model and data have loaded: the run --overwrite replaces goes, the config copy comes."""
-        return outputs.take_output_dir(self.cfg, self.claim, self.echo)
+        """Once the model and data have loaded: the run --overwrite replaces goes, the config copy comes. A
+        resumed run keeps the config.yaml it started with: what a resume changed is recorded as a change at
+        its step (resume_changes.py), never as the config of the whole run."""
+        started_with = self._config_copy() if self.resume_from is not None else None
+        out = outputs.take_output_dir(self.cfg, self.claim, self.echo)
+        if started_with is not None and current_ranks().is_main:
+            path = out / outputs.CONFIG
+            staged = path.with_name(path.name + ".tmp")
+            staged.write_bytes(started_with)
+            os.replace(staged, path)
+        return out
+
+    def _config_copy(self) -> bytes | None:
+        try:
+            return (self.out / outputs.CONFIG).read_bytes()
+        except OSError:
+            return None
 
     def measure_before(self, measure: Measure | None) -> None:
         """Held-out numbers before training (eval.before_training, where there is held-out data: `measure`
@@ -86,21 +110,48 @@ class Run:
 
     def restore(self, batcher) -> int:
         """The run's total optimizer steps; a resumed run first gets its weights, optimizer, data position
-        and loop state back from the checkpoint it resumes."""
+        and loop state back from the checkpoint it resumes. One whose damage shows only while it loads is
+        skipped with one line for the next older one that reads, whose settings are checked in turn."""
         steps = total_steps_for(self.cfg, batcher)
+        while self.resume_from is not None:
+            try:
+                self.state = restore(self.cfg, self.backend, self.handle, self.trainer, batcher, self.resume_from)
+                break
+            except Exception as exc:      # noqa: BLE001 - _damaged_while_loading decides; anything else re-raised
+                if not _damaged_while_loading(exc):
+                    raise
+                self._fall_back(exc)
         if self.resume_from is not None:
-            self.state = restore(self.cfg, self.backend, self.handle, self.trainer, batcher, self.resume_from)
             self.echo(f"resumed from {self.resume_from} (step {self.state.step} of {steps})")
         return steps
 
+    def _fall_back(self, exc: Exception) -> None:
+        """Resume from the checkpoint before the one that did not load: every trainable weight, the optimizer,
+        the RNG and the data position load again from it, so a half-finished load leaves nothing behind."""
+        failed = self.resume_from
+        reason = checkpoints.skip_unloadable(failed, exc)
+        older = None if current_ranks().distributed else checkpoints.older_checkpoint(self.out, failed)
+        if older is None:
+            why = ("a distributed run does not fall back (its processes would have to agree on which)"
+                   if current_ranks().distributed else "no older checkpoint reads")
+            raise files.CorruptFile(f"cannot resume from {failed}: {reason}, and {why}. It is kept as it is; "
+                                    "start over with --overwrite or a new output_dir") from exc
+        self.accepted = resume_changes.check_resume(self.cfg, self.record, older, self.echo)
+        self.changes = resume_changes.history_of(older) + self.accepted
+        self.claim.resume_from = older
+
     def checkpoint_writer(self, batcher):
-        return checkpoint_writer(self.cfg, self.backend, self.handle, self.trainer, batcher, self.out)
+        """Each checkpoint also records what trained it and the changes accepted so far (resume_changes.py)."""
+        return checkpoint_writer(self.cfg, self.backend, self.handle, self.trainer, batcher, self.out,
+                                 recorded=lambda: {resume_changes.RECORD: self.record,
+                                                   resume_changes.HISTORY: self.changes})
 
     def callbacks(self) -> list:
         """What the loop reports to: outputs.run_callbacks, and the peak memory of each phase
         (run_summary.json's `memory`, monitor/memory.py)."""
         self.memory = MemoryPhases(self.backend)
-        return [*outputs.run_callbacks(self.cfg, self.out, self.echo), self.memory]
+        callbacks = outputs.run_callbacks(self.cfg, self.out, self.echo)
+        return [*callbacks, *resume_changes.changes_line(callbacks, self.accepted), self.memory]
 
     def result(self, stopped_early: bool) -> RunResult:
         """What the loop did, with the numbers from before training (from the checkpoint when resumed). The
@@ -132,16 +183,36 @@ class Run:
         if merge and merge_at_end(self.cfg, self.backend, self.out, self.echo) and self.memory is not None:
             self.memory.record("merge")
         result.seconds = time.perf_counter() - self.started
-        summary = outputs.run_summary(self.cfg, result, self.info, n_train, n_val, **extra)
+        summary = outputs.run_summary(self.cfg, result, self.info, n_train, n_val,
+                                      **{resume_changes.HISTORY: self.changes, **extra})
         outputs.write_summary(self.out, summary if self.memory is None else outputs.with_memory(summary, self.memory))
         return result
 
 
 def start_run(cfg, backend, overwrite: bool, echo, started: float, head: str | None = None) -> Run:
-    """Claim output_dir (locked; a run that --overwrite replaces stays until take_output_dir), seed, load
-    the model (with a scalar `head` for reward models): after the recipe's data checks, before its
-    tokenization."""
+    """Claim output_dir (locked; a run that --overwrite replaces stays until take_output_dir), check what a
+    resume changes (resume_changes.py: refused unless allowed), seed, load the model (with a scalar `head` for
+    reward models): after the recipe's data checks, before its tokenization."""
     claim = outputs.claim_output_dir(cfg, overwrite)
+    record = resume_changes.trained_with(cfg)
+    accepted = resume_changes.check_resume(cfg, record, claim.resume_from, echo) if claim.resume_from else []
+    history = resume_changes.history_of(claim.resume_from) if claim.resume_from else []
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision, head=head, adapter=cfg.adapter)
-    return Run(cfg, backend, echo, claim, started, handle)
+    return Run(cfg, backend, echo, claim, started, handle, record=record, changes=history + accepted,
+               accepted=accepted)
+
+
+def _damaged_while_loading(exc: Exception) -> bool:
+    """A load failure that says the checkpoint is damaged: a file the checks named, or an error the runtime
+    raised reading bytes that are not what was written. A user error (a config the checkpoint does not fit)
+    and running out of memory are not: the next older checkpoint would fail the same way."""
+    if isinstance(exc, files.CorruptFile):
+        return True
+    if isinstance(exc, (MudpuppyError, MemoryError)) or "OutOfMemory" in type(exc).__name__:
+        return False
+    return not isinstance(exc, CODING_ERRORS)
+
+
+# Raised by mudpuppy's own code, not by bytes it reads: a bug keeps its traceback.
+CODING_ERRORS = (AttributeError, NameError, ImportError, AssertionError, NotImplementedError)

@@ -179,6 +179,13 @@ def test_another_optimizer_is_refused_naming_both(tiny_config, tmp_path):
     cfg = sft_config(tiny_config, tmp_path / "run", optimizer="sgd", momentum=0.9)
     ckpt = stopped_run(cfg, "mlx")
     cfg["training"]["optimizer"] = "adamw"
+    # refused before the model loads, from what the checkpoint records it was trained with (resume_changes.py)
+    assert_refused_untouched(cfg, "cpu", ckpt, 'optimizer state belong .*\n  training.optimizer: "sgd" -> "adamw"')
+    # a checkpoint that records nothing (and no config.yaml beside it): the backend's check of the state itself
+    marker = json.loads((ckpt / checkpoints.MARKER).read_text())
+    del marker["trained_with"]
+    (ckpt / checkpoints.MARKER).write_text(json.dumps(marker))
+    (ckpt.parent.parent / "config.yaml").unlink()
     assert_refused_untouched(cfg, "cpu", ckpt, "its optimizer state is sgd's and this config's training.optimizer "
                                                "is adamw")
 

@@ -79,8 +79,9 @@ def test_resume_refuses_a_checkpoint_from_another_adapter(tiny_config, tmp_path)
         run(load_config(cfg), _InterruptingBackend(create_backend("cpu"), at_call=K + 2), echo=lambda *_: None)
     cfg["adapter"]["r"] = 8
     cfg["resume"] = True
-    with pytest.raises(MudpuppyError, match="made with adapter="):
-        run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None)
+    for allow_changes in (False, True):         # the weights' shape: no flag changes it
+        with pytest.raises(MudpuppyError, match="adapter.r: 4 -> 8\nno flag changes these"):
+            run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None, allow_changes=allow_changes)
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tiny_config, tmp_path):
@@ -294,6 +295,7 @@ def test_a_checkpoint_written_on_a_gpu_resumes_on_the_cpu_exactly(tiny_config, t
     torch.save({**state, "cuda_rng": torch.zeros(16, dtype=torch.uint8)}, ckpt / "trainer.pt")
     marker = json.loads((ckpt / checkpoints.MARKER).read_text())
     marker["files"]["trainer.pt"] = (ckpt / "trainer.pt").stat().st_size
+    marker[checkpoints.DIGESTS]["trainer.pt"] = checkpoints.file_digest(ckpt / "trainer.pt")   # as a GPU wrote it
     (ckpt / checkpoints.MARKER).write_text(json.dumps(marker))
     cfg["resume"] = True
     resumed = run(load_config(cfg), create_backend("cpu"), echo=lambda *_: None)
