@@ -153,6 +153,25 @@ def check_directory(directory: str | Path, everything: bool = False) -> None:
                 check(path)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.model", "tokenizer.model.*", "tekken.json",
+                   "*.tiktoken")
+
+
+def check_model_files(directory: str | Path) -> None:
+    """A model directory (it holds config.json) must hold weights and a tokenizer: one cut short (a merge
+    or copy killed half way, which the output contract no longer leaves under a final name, or an older
+    one) is named in one message instead of a loader's traceback."""
+    directory = Path(directory)
+    weights = any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
+    tokenizer = any(any(directory.glob(pattern)) for pattern in TOKENIZER_FILES)
+    missing = [what for what, ok in (("weights (*.safetensors)", weights),
+                                     (f"tokenizer ({', '.join(TOKENIZER_FILES[:3])})", tokenizer)) if not ok]
+    if missing:
+        raise CorruptFile(f"{directory}: holds config.json but no {' and no '.join(missing)}: an incomplete model "
+                          "folder (a merge, export or copy that stopped before it finished?); remove it and write "
+                          "it again, or point at a complete model")
+
+
 def _walk_pickle(data: bytes) -> None:
     for _ in pickletools.genops(data):
         pass

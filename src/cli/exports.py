@@ -60,7 +60,8 @@ def merge(config_path, overrides, adapter_dir, out_dir, dtype, overwrite, debug)
     from ..training.merge import merge_run
 
     cfg = load_config(config_path, overrides, check_files=False)
-    path = merge_run(cfg, create_backend(cfg.backend, **cfg.backend_options()), adapter_dir, out_dir, dtype, overwrite)
+    path = merge_run(cfg, create_backend(cfg.backend, **cfg.backend_options()), adapter_dir, out_dir, dtype, overwrite,
+                     echo=click.echo)
     click.echo(f"merged model saved to {path}")
 
 

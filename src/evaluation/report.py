@@ -1,19 +1,20 @@
 """What `mudpuppy eval` leaves behind: the terminal table, eval.json, eval.md and a bar chart per row.
 
-eval.json is written last: a directory holding it holds a finished evaluation, which is never
-replaced without --overwrite. The charts need matplotlib (`pip install 'mudpuppy[plot]'`); without
+The files are written under the output contract (publish.py): built in a hidden folder beside the
+output directory and renamed in once all are written; an earlier evaluation there (eval.json, eval.md
+and its charts, nothing else) is replaced only with --overwrite, after the new one is in place; other
+files in the directory stay. The charts need matplotlib (`pip install 'mudpuppy[plot]'`); without
 it they are skipped with one line, and everything else is written.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..errors import OutputExists
+from .. import publish
 from ..files import write_json_atomic
 from .metrics import Row
 
@@ -21,21 +22,25 @@ EVAL_JSON = "eval.json"
 EVAL_MD = "eval.md"
 
 
-def prepare_out_dir(out: str | None, columns, overwrite: bool) -> Path:
-    """--out, else <first target>/eval for a run, else ./eval-<timestamp>; refused when it already holds
-    an evaluation and --overwrite is not given. Checked before any model loads."""
+def out_dir_for(out: str | None, columns) -> Path:
+    """--out, else <first target>/eval for a run, else ./eval-<timestamp>."""
     if out:
-        path = Path(out).expanduser()
-    elif columns[0].kind == "run":
-        path = Path(columns[0].target).expanduser() / "eval"
-    else:
-        path = Path(f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    if path.exists() and not path.is_dir():
-        raise OutputExists(f"--out {path}: a file, not a directory")
-    if (path / EVAL_JSON).exists() and not overwrite:
-        raise OutputExists(f"{path / EVAL_JSON} already holds an evaluation; pass --overwrite to replace it, "
-                           "or --out DIR to write this one elsewhere")
-    return path
+        return Path(out).expanduser()
+    if columns[0].kind == "run":
+        return Path(columns[0].target).expanduser() / "eval"
+    return Path(f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def writing_report(out: Path, overwrite: bool, echo=None):
+    """The output contract's writing context for an evaluation in `out` (publish.writing): entered before
+    any model loads, so a directory holding an earlier evaluation is refused at once without --overwrite."""
+    return publish.writing(out, publish.EVAL, overwrite, what="--out", echo=echo)
+
+
+def publish_report(report, out: Path, overwrite: bool = True, echo=print) -> list[str]:
+    """write_report into `out` under the contract at once (a run's held-out report, measured already)."""
+    with writing_report(out, overwrite, echo) as written:
+        return write_report(report, written.dir, echo, shown=out)
 
 
 # --------------------------------------------------------------------------- the table
@@ -74,10 +79,9 @@ def markdown_table(report) -> str:
 
 # --------------------------------------------------------------------------- files
 
-def write_report(report, out: Path, echo=print) -> list[str]:
-    """Charts, eval.md, then eval.json; returns the chart file names."""
+def write_report(report, out: Path, echo=print, shown: Path | None = None) -> list[str]:
+    """Charts, eval.md, then eval.json in `out` (a staging folder, bound for `shown`); returns the charts."""
     out.mkdir(parents=True, exist_ok=True)
-    remove_old_charts(out)
     charts = write_charts(report, out)
     if charts is None:
         echo("charts: matplotlib is not installed, so no PNG charts (pip install 'mudpuppy[plot]')")
@@ -86,19 +90,8 @@ def write_report(report, out: Path, echo=print) -> list[str]:
     write_json_atomic(out / EVAL_JSON, as_json(report, charts))
     echo(f"\n{format_table(report)}\n")
     made = f", eval.md and {len(charts)} chart{'s' if len(charts) != 1 else ''}" if charts else " and eval.md"
-    echo(f"saved eval.json{made} to {out}")
+    echo(f"saved eval.json{made} to {shown or out}")
     return charts
-
-
-def remove_old_charts(out: Path) -> None:
-    """--overwrite: the charts the earlier evaluation listed go too (never any other file)."""
-    try:
-        old = json.loads((out / EVAL_JSON).read_text(encoding="utf-8")).get("charts", [])
-    except (OSError, ValueError, AttributeError):
-        return
-    for name in old:
-        if isinstance(name, str) and "/" not in name and "\\" not in name and name.endswith(".png"):
-            (out / name).unlink(missing_ok=True)
 
 
 def as_json(report, charts: list[str]) -> dict:

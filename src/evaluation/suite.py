@@ -284,13 +284,23 @@ def run_eval(targets: list[str], data: str | None, options: EvalOptions | None =
     """The whole `mudpuppy eval`: check, measure, write; returns the report and where it was written.
     `trust_remote_code` (--trust-remote-code) lets model code run; a run's own config.yaml never does."""
     from ..backends import create_backend
-    from .report import prepare_out_dir, write_report
+    from .report import out_dir_for, write_report, writing_report
 
     columns, datasets, options = plan(targets, data, options or EvalOptions(), base, base_model, chat_template,
                                       trust_remote_code)
-    out_dir = prepare_out_dir(out, columns, overwrite)
-    name = backend or next((c.cfg.backend for c in columns if c.kind == "run"), "auto")
-    impl = create_backend(name)                 # a probe: no model loads before the check below
+    out_dir = out_dir_for(out, columns)
+    with writing_report(out_dir, overwrite, echo) as written:    # locked and checked before any model loads
+        report = measure_all(columns, datasets, options, create_backend(backend or _run_backend(columns)), echo)
+        write_report(report, written.dir, echo, shown=out_dir)
+    return report, out_dir
+
+
+def _run_backend(columns) -> str:
+    return next((c.cfg.backend for c in columns if c.kind == "run"), "auto")
+
+
+def measure_all(columns, datasets, options, impl, echo) -> EvalReport:
+    """What run_eval says before it measures, then every column measured (`impl` is a probe until then)."""
     if options.tasks:
         harness.check_backend(impl)
     echo(f"backend: {impl.name} on {impl.device}; precision {options.precision}")
@@ -302,6 +312,4 @@ def run_eval(targets: list[str], data: str | None, options: EvalOptions | None =
     if options.tasks:
         echo(f"lm-eval tasks: {', '.join(options.tasks)}"
              + (f" (limit {options.max_samples} per task)" if options.max_samples else ""))
-    report = evaluate_columns(impl, columns, datasets, options, echo)
-    write_report(report, out_dir, echo)
-    return report, out_dir
+    return evaluate_columns(impl, columns, datasets, options, echo)

@@ -30,7 +30,7 @@ from ..backends.provenance import base_to_load
 from ..config import RunConfig
 from ..configure import load_config
 from ..errors import MudpuppyError
-from ..files import check_directory, read_json
+from ..files import check_directory, check_model_files, read_json
 
 RUN_CONFIG = "config.yaml"
 MODEL_CONFIG = "config.json"
@@ -209,6 +209,7 @@ def adapter_column(target: str, path: Path, base_model: str | None, chat_templat
 def model_column(target: str, model: str, chat_template: str | None) -> Column:
     config = Path(model) / MODEL_CONFIG
     if config.is_file():
+        check_model_files(Path(model))        # weights and tokenizer there: a half-written folder named now
         heads = [a for a in read_json_object(config).get("architectures") or []
                  if a.endswith(SCORE_HEADS)]
         if heads:

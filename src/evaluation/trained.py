@@ -71,7 +71,7 @@ def measure_trained(cfg, backend, trained=None, echo=print) -> dict[str, dict]:
     """Measure the trained model (`trained.model`, a RunResult's handle, else loaded from cfg.output_dir)
     and, with eval.before_training, the model the run started from, one model in memory at a time;
     write output_dir/heldout-eval/. Returns {"before": {metric: value}, "after": {...}}."""
-    from .report import write_report
+    from .report import publish_report
     from .suite import EvalOptions, EvalReport
 
     metrics = trained_metrics(cfg)
@@ -96,7 +96,7 @@ def measure_trained(cfg, backend, trained=None, echo=print) -> dict[str, dict]:
                         sum(len(ds.records) for ds in datasets), metrics,
                         [row for m in metrics for row in METRICS[m].rows], results, backend.name,
                         getattr(backend, "device", ""), options)
-    write_report(report, out / OUT_DIR, echo=lambda *_: None)
+    publish_report(report, out / OUT_DIR, echo=lambda *_: None)    # beside, then renamed in (publish.py)
     values = {m.name: {k: v for k, v in m.values.items() if v is not None} for m in results}
     said = [f"{row.label} " + " -> ".join(f"{values[m.name][row.key]:.4f}" for m in results
                                           if row.key in values[m.name]) for row in report.rows]

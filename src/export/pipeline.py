@@ -3,23 +3,25 @@
 Every check that needs no weights runs first (options, the output directory, the source, the
 architecture and tokenizer for GGUF, the chat layout for Ollama, llama-quantize for K-quants,
 mlx-lm for MLX), so a mistake costs seconds, not a merge. Every format gets a model card (card.py:
-the base by its Hub id, where its weights came from, how to load the export). The export is
-written into a hidden sibling of --out and renamed into place only once complete: an existing
-export is replaced (with --overwrite) only by a finished one, and a directory that is not a
-mudpuppy export is never cleared.
+the base by its Hub id, where its weights came from, how to load the export).
+
+The export keeps the output contract (publish.py): --out is locked for the whole export, the export is
+built in a hidden folder beside it and renamed into place only once complete; with --overwrite only
+the earlier export's own files go, after the new one is in place (a file of yours in --out stays); a
+directory that is not a mudpuppy export is never written into.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MudpuppyError, OutputExists
+from .. import publish
+from ..errors import MudpuppyError
 from ..evaluation.suite import check_chat_template
+from ..files import move_into
 from . import gguf as gguf_format
 from . import mlx as mlx_format
 from .card import CARD, export_card
@@ -70,53 +72,35 @@ def check_options(fmt: str, dtype: str | None, quant: str | None) -> tuple[str |
     return dtype or "bf16", mlx_format.check_quant(quant)
 
 
-def check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise OutputExists(f"--out {out} is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise OutputExists(f"--out {out} already exists and is not empty; pass --overwrite to replace it "
-                               "or choose another --out")
-        if not (out / MARKER).is_file():
-            raise OutputExists(f"--out {out} is not empty and does not look like a mudpuppy export (no {MARKER}); "
-                               "refusing to clear it even with --overwrite")
-
-
 def export_model(req: ExportRequest, echo=print) -> ExportResult:
     dtype, quant = check_options(req.format, req.dtype, req.quant)
-    out = Path(req.out).expanduser()
-    check_out(out, req.overwrite)
     check_chat_template(req.chat_template)
-    src = resolve_source(req.source, req.base_model, req.chat_template, req.trust_remote_code)
-    if req.chat_template and src.kind == "run":
-        raise MudpuppyError("--chat-template: a run exports the chat template it trained with "
-                            f"(data.chat_template in {req.source}/config.yaml); leave the option out")
-    echo(f"source: {src.describe()}")
-    tokenizer = src.load_tokenizer()
-    layout = preflight(src, req.format, quant, tokenizer)
+    with publish.writing(req.out, publish.EXPORT, req.overwrite, what="--out", echo=echo) as out:
+        src = resolve_source(req.source, req.base_model, req.chat_template, req.trust_remote_code)
+        if req.chat_template and src.kind == "run":
+            raise MudpuppyError("--chat-template: a run exports the chat template it trained with "
+                                f"(data.chat_template in {req.source}/config.yaml); leave the option out")
+        echo(f"source: {src.describe()}")
+        tokenizer = src.load_tokenizer()
+        layout = preflight(src, req.format, quant, tokenizer)
+        record = write_export(req, src, tokenizer, layout, dtype, quant, out, echo)
+    record["files"] = out.names               # stamped into export.json by the publish: what this export wrote
+    return ExportResult(out.shown, out.names, record)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.export-{os.getpid()}"
-    work = out.parent / f".{out.name}.work-{os.getpid()}"
-    for leftover in (staging, work):
-        shutil.rmtree(leftover, ignore_errors=True)
+
+def write_export(req: ExportRequest, src: ExportSource, tokenizer, layout, dtype, quant, out, echo) -> dict:
+    """The format's files, its card and export.json, in the staging folder `out.dir` (publish.Writing);
+    returns the record."""
     started = time.monotonic()
-    try:
-        work.mkdir()
-        src.dequantize_into(work, echo)
-        record = write_format(req.format, src, tokenizer, layout, dtype, quant, staging, work, req.backend, echo)
-        record.update(source=req.source, source_kind=src.kind, described=src.describe(), format=req.format,
-                      base=src.base, finetune=src.finetune, seconds=round(time.monotonic() - started, 1))
-        # The card last: it states what the format wrote (mlx_lm.convert's own, front matter only, is replaced).
-        (staging / CARD).write_text(export_card(out, req.format, src, record), encoding="utf-8")
-        files = sorted(p.name for p in staging.iterdir())
-        record["files"] = files + [MARKER]
-        (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        publish(staging, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(staging, ignore_errors=True)
-    return ExportResult(out, record["files"], record)
+    staging, work = out.dir, out.scratch()
+    src.dequantize_into(work, echo)
+    record = write_format(req.format, src, tokenizer, layout, dtype, quant, staging, work, req.backend, echo)
+    record.update(source=req.source, source_kind=src.kind, described=src.describe(), format=req.format,
+                  base=src.base, finetune=src.finetune, seconds=round(time.monotonic() - started, 1))
+    # The card last: it states what the format wrote (mlx_lm.convert's own, front matter only, is replaced).
+    (staging / CARD).write_text(export_card(out.shown, req.format, src, record), encoding="utf-8")
+    (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return record
 
 
 def preflight(src: ExportSource, fmt: str, quant: str | None, tokenizer) -> TurnLayout | None:
@@ -157,12 +141,13 @@ def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, s
         echo("merging into float32 for mlx-lm's converter")
         merged = src.merge_into(create_backend(backend_name), work / "merged", "float32")
         echo(f"converting with mlx_lm.convert ({DTYPES[dtype]}{', ' + quant if quant else ''})")
-        return {"mlx": mlx_format.convert_to_mlx(merged, staging, dtype, quant)}
+        converted = mlx_format.convert_to_mlx(merged, work / "mlx", dtype, quant)   # mlx-lm makes its folder
+        move_into(work / "mlx", staging)
+        return {"mlx": converted}
     model_dir = src.plain_dir()
     if model_dir is None:
         echo("merging into float32 for the GGUF writer")
         model_dir = src.merge_into(create_backend(backend_name), work / "merged", "float32")
-    staging.mkdir()
     name = f"model-{quant}.gguf"
     echo(f"writing {name}")
     base = src.base or {}
@@ -189,14 +174,3 @@ def end_of_turn_id(tokenizer, layout: TurnLayout | None) -> int | None:
         return None
     ends, _ = turn_tokens(tokenizer, layout)
     return tokenizer.convert_tokens_to_ids(ends[0]) if ends else None
-
-
-def publish(staging: Path, out: Path) -> None:
-    """Move the finished export into place; a replaced export is removed only after that."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
-    os.rename(staging, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -28,7 +28,7 @@ from ..data import load_data, prepare_sft_data
 from ..errors import DataError, MudpuppyError
 from ..evaluation import evaluate, loss_table
 from . import outputs
-from .loop import RunResult
+from .loop import RunResult, staged_final
 
 
 def run_gptq(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
@@ -62,8 +62,10 @@ def run_gptq(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         echo(f"round-to-nearest: {rtn.describe()}")
 
     # -- quantize and save (the handle's model is released)
-    own = gptq.quantize(handle, cfg.model, [e.input_ids for e in calibration], out, echo)
+    with staged_final(out) as stage:       # written beside, renamed into output_dir once complete (loop.py)
+        own = gptq.quantize(handle, cfg.model, [e.input_ids for e in calibration], stage, echo)
     del handle
+    echo(f"saved the {gptq.label} model to {out}")
 
     # -- evaluate what was saved, read back as any later run reads it
     result = RunResult(out, 0)

@@ -31,7 +31,7 @@ from ..distributed import current as current_ranks
 from ..errors import MudpuppyError, OutOfDeviceMemory
 from ..monitor.callbacks import Callback, Callbacks
 from . import checkpoints, outputs
-from .rundir import STAGING_FINAL
+from .rundir import STAGING_FINAL, publish_staged, record
 from .schedule import learning_rate
 
 # Fault injection for the resume tests: SIGKILL this process right after the
@@ -306,6 +306,7 @@ def checkpoint_writer(cfg, backend, handle, trainer, batcher, out, recorded: Cal
     identity = checkpoint_identity(cfg)
 
     def save(state: LoopState) -> Path:
+        record(out, [checkpoints.DIRNAME])          # listed in the run's marker before it is written
         return checkpoints.save_checkpoint(
             out, state.step, {**identity, **(recorded() if recorded else {})}, state.as_dict(batcher),
             lambda d: backend.save_training_state(handle, trainer, str(d)), cfg.training.keep_last_n)
@@ -354,4 +355,4 @@ def staged_final(out: Path):
     with files.write_errors(f"saving the trained model to {out}", out, cleanup=stage if main else None, kept=kept):
         yield stage
         if main:
-            files.move_into(stage, out)
+            publish_staged(stage, out)         # recorded in the run's marker, then renamed in

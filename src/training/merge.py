@@ -3,15 +3,20 @@
 The merged directory gets what `mudpuppy export --format merged` gives it besides the weights: a model
 card naming the base by its Hub id and where its weights came from, and export.json recording the base,
 so a later `mudpuppy export` of the merged model (to GGUF, say) still names the base it was trained on.
+
+It is written under the output contract (publish.py): built in a hidden folder beside --out and renamed
+into place once complete, so a failed or killed merge leaves the previous merged model whole; with
+--overwrite only the earlier merge's (or export's) own files go, after the new one is in place; a folder
+that holds neither is never written into.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from ..errors import MudpuppyError, OutputExists
+from .. import publish
+from ..errors import MudpuppyError
 from ..export.card import CARD, export_card
 from ..export.source import resolve_source
 
@@ -19,7 +24,7 @@ MARKER = "export.json"
 
 
 def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None = None,
-              dtype: str | None = None, overwrite: bool = False) -> Path:
+              dtype: str | None = None, overwrite: bool = False, echo=None) -> Path:
     if cfg.method in ("rm", "prm"):
         raise MudpuppyError(f"a reward model's output_dir ({cfg.output_dir}) already holds the whole model with "
                             "its adapter merged in; nothing to merge")
@@ -29,32 +34,27 @@ def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None 
             f"{adapter} holds no adapter (no adapter_config.json); merge needs a LoRA/DoRA run's output_dir "
             "or --adapter DIR (a full fine-tune is already a plain model)")
     out = Path(out_dir) if out_dir else Path(cfg.output_dir) / "merged"
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise OutputExists(f"{out} already exists; pass --overwrite to replace it or --out to choose another place")
-        if not (out / "config.json").is_file():
-            raise OutputExists(f"{out} is not empty and does not look like a merged model; refusing to clear it")
-        shutil.rmtree(out)
-    # A QLoRA adapter learned on the 4-bit base: load rebuilds exactly that base (quantizing is
-    # deterministic and reads the checkpoint's own values); any other adapter merges into fp32 weights.
-    qlora = cfg.adapter.type == "qlora"
-    handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter if qlora else None)
-    if qlora:
-        backend.quantize_base(handle, cfg.adapter)
-    backend.load_adapter(handle, str(adapter))
-    backend.merge_and_save(handle, str(out), dtype or cfg.merge_dtype)
-    describe_merge(out, adapter, dtype or cfg.merge_dtype)
+    with publish.writing(out, publish.EXPORT, overwrite, what="--out", echo=echo) as written:
+        # A QLoRA adapter learned on the 4-bit base: load rebuilds exactly that base (quantizing is
+        # deterministic and reads the checkpoint's own values); any other adapter merges into fp32 weights.
+        qlora = cfg.adapter.type == "qlora"
+        handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter if qlora else None)
+        if qlora:
+            backend.quantize_base(handle, cfg.adapter)
+        backend.load_adapter(handle, str(adapter))
+        backend.merge_and_save(handle, str(written.dir), dtype or cfg.merge_dtype)
+        describe_merge(written.dir, out, adapter, dtype or cfg.merge_dtype)
     return out
 
 
-def describe_merge(out: Path, adapter: Path, dtype: str) -> None:
-    """The model card and export.json of a merged model, as `mudpuppy export --format merged` writes them."""
+def describe_merge(staging: Path, out: Path, adapter: Path, dtype: str) -> None:
+    """The model card and export.json of a merged model (written in `staging`, bound for `out`), as
+    `mudpuppy export --format merged` writes them."""
     src = resolve_source(str(adapter))
     record = {"dtype": dtype, "source": str(adapter), "source_kind": src.kind, "described": src.describe(),
               "format": "merged", "base": src.base, "finetune": src.finetune}
-    (out / CARD).write_text(export_card(out, "merged", src, record, verb="merge"), encoding="utf-8")
-    record["files"] = sorted(p.name for p in out.iterdir()) + [MARKER]
-    (out / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    (staging / CARD).write_text(export_card(out, "merged", src, record, verb="merge"), encoding="utf-8")
+    (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def merge_at_end(cfg, backend, out: Path, echo, adapter: Path | None = None, what: str = "merged model") -> bool:
@@ -73,6 +73,10 @@ def merge_at_end(cfg, backend, out: Path, echo, adapter: Path | None = None, wha
     host = backend.host_backend()
     if host is not backend:
         echo(f"merging on the host ({host.device}): the trained model still holds {backend.device}")
-    merged = merge_run(cfg, host, str(adapter or out), str(out / "merged"), cfg.merge_dtype, overwrite=True)
+    from . import rundir
+
+    rundir.record(out, ["merged"])        # the run's own output (its files listed in merged/'s own marker)
+    merged = merge_run(cfg, host, str(adapter or out), str(out / "merged"), cfg.merge_dtype, overwrite=True,
+                       echo=echo)
     echo(f"{what} ({cfg.merge_dtype}) saved to {merged}")
     return True

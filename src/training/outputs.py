@@ -10,6 +10,7 @@ these through session.py (start_run, Run.finish).
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,8 +107,9 @@ def claim_dir(path: str | Path, overwrite: bool, resume: bool | str = False, cfg
     except MudpuppyError:
         rundir.end_run(out)
         raise
-    if rundir.read_marker(out) is None:
-        rundir.write_marker(out, written=rundir.entries(out))     # a new run, or one from before markers resumed
+    if rundir.read_marker(out) is None:       # a new run, or one from before markers resumed: adopted for the
+        ours, theirs = rundir.adopt(out)      # run layout's names alone (the user's notes are never claimed)
+        rundir.write_marker(out, written=ours, foreign=theirs)
     return claim
 
 
@@ -156,15 +158,17 @@ def _take(cfg, claim: Claim, echo) -> None:
     out = claim.out
     if claim.replacing:
         ours, kept = rundir.split_entries(out, rundir.read_marker(out))
-        rundir.remove_entries(out, ours)
+        stayed = rundir.remove_entries(out, ours)
         if ours:
             echo(f"--overwrite: removed the previous run from {out} ({_names(ours)})")
+        if stayed:
+            echo(f"--overwrite: kept what the previous run's outputs held that it did not write: {_names(stayed)}")
+            kept = sorted(set(kept) | {name.split('/')[0] for name in stayed})
         if kept:
             echo(f"--overwrite: kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} the previous run did "
                  f"not write: {_names(kept)}")
         rundir.write_marker(out, foreign=kept)
     write_config(out, cfg)
-    rundir.note_written(out)
 
 
 def _names(names: list[str], shown: int = 8) -> str:
@@ -181,12 +185,12 @@ def write_summary(out: Path, data) -> None:
 
     if current().is_main:
         try:
-            write_run_report(out, data)
+            rundir.record(out, write_run_report(out, data))
         except Exception as exc:      # noqa: BLE001 - the trained weights are saved; never fail the run here
             print(f"run report (charts, README.md) not written: {type(exc).__name__}: {exc}", file=sys.stderr)
         close_trackers(out, data)
+        rundir.record(out, [SUMMARY])
         write_json_atomic(out / SUMMARY, data)
-        rundir.note_written(out)
         rundir.end_run(out)             # the run has written its last file: another may use the directory
 
 
@@ -237,10 +241,21 @@ def run_callbacks(cfg, out: Path, echo) -> list:
 
     if not current().is_main:
         return []
+    rundir.record(out, tracker_dirs(cfg.logging.report_to))
     trackers = open_trackers(cfg, out)
-    return [MetricsFile(out, written=rundir.note_written), *([trackers] if trackers is not None else []),
+    return [MetricsFile(out, written=lambda where: rundir.record(where, [METRICS])),
+            *([trackers] if trackers is not None else []),
             progress_display(cfg.logging, echo)]
 
 
+def tracker_dirs(report_to) -> list[str]:
+    """The folders the trackers of `logging.report_to` write in output_dir (monitor/trackers.py)."""
+    dirs = {"tensorboard": "tensorboard", "wandb": "wandb"}
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        dirs["mlflow"] = "mlruns"
+    return [dirs[kind] for kind in report_to or [] if kind in dirs]
+
+
 def write_config(out: Path, cfg) -> None:
+    rundir.record(out, [CONFIG])
     (out / CONFIG).write_text(yaml.safe_dump(cfg.dump(), sort_keys=False), encoding="utf-8")

@@ -43,7 +43,8 @@ from ..data import Batcher, load_data, prepare_sft_data
 from ..errors import MudpuppyError
 from ..evaluation import EvalResult, evaluate
 from ..files import write_json_atomic
-from .loop import Interrupted, LoopState, RunResult, train_loop
+from . import rundir
+from .loop import Interrupted, LoopState, RunResult, staged_final, train_loop
 from .merge import merge_at_end
 from .session import start_run
 from .sft import describe_data, loss_check, measure_model
@@ -94,10 +95,12 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     # -- save the float fine-tune, measure it fake-quantized, convert, save and measure the result
     qat.set_fake_quant(handle, True)
     trained = out / TRAINED
-    _save_trained(cfg, backend, handle, trained)
+    with staged_final(out) as stage:      # each save written beside, renamed into output_dir once complete
+        _save_trained(cfg, backend, handle, stage / TRAINED)
     result = run.result(stopped_early)
     fake = evaluate(backend, handle, data, cfg.eval) if measured else None
-    size = qat.convert(handle, layers, out)
+    with staged_final(out) as stage:
+        size = qat.convert(handle, layers, stage)
     echo(f"converted model ({qat.description}, {size / 2**20:.1f} MiB) saved to {out}; "
          f"the fine-tuned float weights to {trained}")
     if measured:
@@ -162,6 +165,7 @@ def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, bra
             except _Pause:
                 pass
         point = out / BRANCH_POINT
+        rundir.record(out, [BRANCH_POINT])
         point.mkdir(exist_ok=True)
         backend.save_training_state(handle, trainer, str(point))
         kept = copy.deepcopy(state.as_dict(batcher))     # phase two appends to the same loss lists
@@ -179,6 +183,7 @@ def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, bra
     baseline = {"steps": state.step, "stopped_early": stopped,
                 "final_train_loss": state.losses[-1] if state.losses else None,
                 "fine_tuned": plain.as_dict(), "ptq": ptq.as_dict()}
+    rundir.record(out, [BASELINE])
     write_json_atomic(out / BASELINE, baseline)
     echo(f"PTQ baseline: fine-tuned (float) {plain.describe()}; round-to-nearest {ptq.describe()}")
     backend.load_training_state(handle, trainer, str(point))

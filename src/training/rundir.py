@@ -1,14 +1,20 @@
 """The run directory mudpuppy owns: a marker listing what it wrote there, and a lock while a run uses it.
 
     .mudpuppy-run.json   written when a run claims the directory, before anything else: format, who made
-                         it and when, `written` (the top-level names the run wrote, refreshed as it goes)
-                         and `foreign` (names that were there already and are not the run's)
+                         it and when, `written` (the top-level names the run wrote, each recorded by the
+                         code that writes it, before it writes it) and `foreign` (names that were there
+                         already and are not the run's)
     .mudpuppy-run.lock   flock'ed for as long as a process trains there; holds that process's pid and
                          command. The kernel drops the lock when the process ends, however it ends
                          (SIGKILL included), so a stale file never blocks anyone.
 
-`--overwrite` removes only the names the marker lists (and the few every run writes), never the
-directory itself, never a directory without the marker: see outputs.claim_output_dir.
+A run directory is written as the run goes (checkpoints, metrics, then its final save), so unlike the
+other verbs' outputs (publish.py) it is not built beside and renamed; what it saves at the end is
+(publish_staged). The run never lists its directory to learn what it wrote: a file the user puts there,
+or another verb's output (`export --out RUN/gguf`), is never claimed. A run from before markers is adopted
+only for the names of the run's own layout (LAYOUT). `--overwrite` removes only the names the marker lists
+(and the few every run writes), never the directory itself, never a directory without the marker: see
+outputs.claim_output_dir.
 """
 
 from __future__ import annotations
@@ -16,27 +22,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from .. import publish
 from ..errors import OutputExists
-from ..files import write_json_atomic
-
-try:
-    import fcntl
-except ImportError:                      # not a POSIX system: runs go unlocked (lock() says so)
-    fcntl = None
+from ..files import move_into, write_json_atomic
 
 MARKER = ".mudpuppy-run.json"
 LOCK = ".mudpuppy-run.lock"
 FORMAT = 1
 OWN = frozenset({MARKER, LOCK})          # never listed, never removed: they say whose directory it is
-# Names every run writes, the run's even when a killed run had no time to list them.
+# Names every run writes, the run's even when a killed run had no time to record them.
 STAGING_FINAL = ".saving-final"          # where the final save writes first (loop.staged_final)
 ALWAYS = frozenset({"config.yaml", "metrics.jsonl", "run_summary.json", "checkpoints", "completions.jsonl",
                     "heldout-eval", STAGING_FINAL})
+# The run's layout: every top-level name a run of some method writes (its final save's model files aside,
+# publish.MODEL_FILES and ADAPTER_FILES). What a run from before markers is adopted for, and nothing else.
+LAYOUT = ALWAYS | {"README.md", "loss.png", "reward.png", "margins.png", "accuracy.png", "tensorboard", "mlruns",
+                   "wandb", "merged", "trained", "adapter", "ptq_baseline.json", "qat-branch-point"}
 
 
 class RunDirInUse(OutputExists):
@@ -56,30 +61,52 @@ def write_marker(out: Path, written=(), foreign=()) -> dict:
     """A fresh marker: this process claims `out` (a new run, or the one replacing an old run)."""
     from .. import __version__
 
-    marker = {"format": FORMAT, "created_by": f"mudpuppy {__version__}", "command": _command(),
+    marker = {"format": FORMAT, "created_by": f"mudpuppy {__version__}", "command": publish.command(),
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "created_at": time.time(),
               "written": sorted(written), "foreign": sorted(foreign)}
     _store(out, marker)
-    _listed[_key(out)] = set(marker["written"]) | set(marker["foreign"])
+    _listed[_key(out)] = set(marker["written"])
     return marker
 
 
-def note_written(out: Path) -> None:
-    """Add to the marker the top-level names that appeared since it was last written (cheap when nothing
-    did: one directory listing). Called as the run logs, and once more with its summary."""
-    key = _key(out)
+def record(out: Path, names) -> None:
+    """Add `names` (top-level entries the run is about to write) to the marker's `written`; a name the run
+    now writes is no longer foreign. Cheap when they are listed already: no file is read. Rank 0 of a
+    distributed run alone writes the marker."""
+    from ..distributed import current
+
+    if not current().is_main:
+        return
+    key, names = _key(out), set(names)
     if key not in _listed:
         marker = read_marker(out)
         if marker is None:
-            return                  # not a marked directory: nothing to keep up to date
-        _listed[key] = set(marker.get("written", [])) | set(marker.get("foreign", []))
-    new = set(entries(out)) - _listed[key]
-    if not new:
+            return                  # not a marked directory (a run called on a bare folder from Python)
+        _listed[key] = set(marker.get("written", []))
+    if names <= _listed[key]:
         return
     marker = read_marker(out) or {}
-    marker["written"] = sorted(set(marker.get("written", [])) | new)
+    marker["written"] = sorted(set(marker.get("written", [])) | names)
+    marker["foreign"] = sorted(set(marker.get("foreign", [])) - names)
     _store(out, marker)
-    _listed[key] |= new
+    _listed[key] |= names
+
+
+def publish_staged(stage: Path, out: Path) -> list[str]:
+    """What a save wrote in `stage` (the run's own staging folder: only this process writes there) recorded,
+    then renamed into `out`."""
+    names = sorted(os.listdir(stage))
+    record(out, names)
+    move_into(stage, out)
+    return names
+
+
+def adopt(out: Path) -> tuple[list[str], list[str]]:
+    """(the run's names, everyone else's) in a directory written before markers: the run's layout only."""
+    patterns = (*LAYOUT, *publish.MODEL_FILES, *publish.ADAPTER_FILES)
+    present = entries(out)
+    ours = [n for n in present if publish.matches(n, patterns)]
+    return ours, [n for n in present if n not in ours]
 
 
 def split_entries(out: Path, marker: dict | None) -> tuple[list[str], list[str]]:
@@ -90,14 +117,21 @@ def split_entries(out: Path, marker: dict | None) -> tuple[list[str], list[str]]
     return [n for n in present if n in ours], [n for n in present if n not in ours]
 
 
-def remove_entries(out: Path, names: list[str]) -> None:
+def remove_entries(out: Path, names: list[str]) -> list[str]:
+    """The run's `names` removed; an output folder inside the run (its merged model, its held-out report)
+    loses only its own files. Returns what stayed because it holds files the run did not write."""
+    stayed = []
     for name in names:
         path = Path(out) / name
-        if path.is_dir() and not path.is_symlink():
+        if path.is_dir() and not path.is_symlink() and publish.holds_output(path):
+            left = publish.remove_output(path)
+            stayed += [f"{name}/{n}" for n in left]
+        elif path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)     # a link goes, never what it points to
     _listed.pop(_key(out), None)
+    return stayed
 
 
 def entries(out: Path) -> list[str]:
@@ -191,28 +225,7 @@ def lock(out: Path) -> None:
     if key in _held:
         _held[key][1] += 1
         return
-    try:
-        fd = os.open(os.path.join(key, LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-    except OSError as exc:
-        raise OutputExists(f"output_dir {out}: cannot write there ({exc.strerror})") from None
-    try:
-        if fcntl is None:
-            raise OSError(0, "no flock on this system")
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise RunDirInUse(f"output_dir {out} is in use by another mudpuppy process ({holder}); wait for it to "
-                          "end (or stop it), or choose another output_dir") from None
-    except OSError as exc:          # a filesystem without flock (some network mounts): run, but say so
-        os.close(fd)
-        print(f"warning: output_dir {out} cannot be locked ({exc.strerror}); make sure no other run uses it",
-              file=sys.stderr)
-        fd = None
-    if fd is not None:
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "command": _command(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode() + b"\n")
+    fd = publish.acquire_lock(Path(key) / LOCK, f"output_dir {out}", "output_dir", RunDirInUse)
     _held[key] = [fd, 1]
 
 
@@ -222,10 +235,7 @@ def unlock(out: Path) -> None:
         return
     _held[key][1] -= 1
     if _held[key][1] <= 0:
-        fd = _held.pop(key)[0]
-        if fd is not None:
-            os.ftruncate(fd, 0)              # no pid left behind to mislead a reader
-            os.close(fd)                     # closing drops the flock
+        publish.release_lock(_held.pop(key)[0])     # the file stays: it lives inside the run directory
 
 
 @contextmanager
@@ -257,21 +267,6 @@ def end_run(out: Path) -> None:
 
 def is_locked_here(out: Path) -> bool:
     return _key(out) in _held
-
-
-def _holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except (OSError, ValueError):
-        info = {}
-    if not info.get("pid"):
-        return "starting up"
-    return f"pid {info['pid']}: {info.get('command', '?')}, since {info.get('since', '?')}"
-
-
-def _command() -> str:
-    args = [Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python", *sys.argv[1:]]
-    return " ".join(args)[:500]
 
 
 def _key(out: Path) -> str:

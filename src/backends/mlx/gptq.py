@@ -108,7 +108,7 @@ class MlxGptq:
                 quantization.pop(k, None)
         config = {**handle.config, "quantization": quantization}
         save(out, handle.source, model, handle.tokenizer, config, donate_model=False)
-        echo(f"saved the mlx-lm GPTQ model to {out} ({seconds:.0f} s)")
+        echo(f"quantized with mlx-lm's GPTQ in {seconds:.0f} s")
         return {"backend": "mlx", "implementation": "mlx_lm.quant.gptq",
                 "quantization": {"bits": g.bits, "group_size": g.group_size, "mode": "affine"},
                 "calibration_examples": len(examples), "quantize_seconds": round(seconds, 1)}

@@ -57,5 +57,5 @@ class TorchGptq:
         files = save_quantized(host, out, qconfig, source)
         save_tokenizer(tokenizer, out)       # with the chat template the data was rendered with
         del host
-        echo(f"saved the GPTQ model to {out} ({report.linears} linear layers in {report.seconds:.0f} s)")
+        echo(f"quantized {report.linears} linear layers in {report.seconds:.0f} s")
         return {"quantization_config": qconfig, "gptq": report.as_dict(), "files": files}
