@@ -140,7 +140,12 @@ def read_lines(stdin: TextIO, stdout: TextIO, stderr: TextIO, interactive: bool)
         return
     while True:
         try:
-            yield input("> ") if stdin is sys.stdin else prompt_and_read(stdin, stdout)
+            line = input("> ") if stdin is sys.stdin else prompt_and_read(stdin, stdout)
+            bad = escaped_byte(line)
+            if bad is None:
+                yield line
+            else:
+                say(stderr, f"that line is not UTF-8 text ({bad}); type it again")
         except UnicodeDecodeError as exc:
             say(stderr, f"that line is not UTF-8 text ({not_utf8(exc)}); type it again")
         except EOFError:
@@ -165,6 +170,16 @@ def utf8_lines(stdin: TextIO):
             raise MudpuppyError(f"stdin line {number}: not UTF-8 text ({not_utf8(exc)}); chat reads its messages "
                                 "as UTF-8: convert the input first (iconv -f LATIN1 -t UTF-8, for one)") from None
         yield text.removeprefix("\ufeff") if number == 1 else text
+
+
+def escaped_byte(line: str) -> str | None:
+    """The first byte of a terminal's line that was not UTF-8: Python's stdin hands such bytes over as lone
+    surrogates (surrogateescape, its choice under a C or UTF-8 locale), which no tokenizer can take."""
+    for i, ch in enumerate(line):
+        if "\udc80" <= ch <= "\udcff":
+            at = len(line[:i].encode("utf-8", "surrogateescape")) + 1
+            return f"byte 0x{ord(ch) - 0xdc00:02x} at byte {at} of the line"
+    return None
 
 
 def not_utf8(exc: UnicodeDecodeError) -> str:

@@ -3,9 +3,12 @@ near 0. One message or an answer, never a traceback."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+
+import pytest
 
 from mudpuppy.serving import GenerationOptions
 
@@ -37,3 +40,37 @@ def test_utf8_is_read_whatever_the_locale_and_a_tiny_temperature_is_greedy(chat_
     err = result.stderr.decode()
     assert result.returncode == 0 and "Traceback" not in err, err
     assert result.stdout.decode("utf-8") == greedy + "\n"
+
+
+@pytest.mark.parametrize("errors", ["surrogateescape", "strict"])
+def test_at_a_prompt_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(torch_chat, errors):
+    """Python's stdin hands bytes that are not UTF-8 over as lone surrogates (surrogateescape: its choice
+    under a C or UTF-8 locale) or raises (strict). At a real terminal, readline in a C locale takes such a
+    byte for a Meta key and the line never holds it; this is the prompt without readline."""
+    from mudpuppy.serving.chat import ChatSession, run_chat
+
+    expected = torch_chat.complete([{"role": "user", "content": "hello"}], GenerationOptions(max_new_tokens=6)).text
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait\nhello\n/quit\n"), encoding="utf-8", errors=errors)
+    if errors == "strict":       # the decoder fails on the whole chunk read: one line at a time, as a terminal
+        stdin = io.TextIOWrapper(io.BufferedReader(OneLine(b"caf\xe9 au lait\nhello\n/quit\n")), encoding="utf-8")
+    out, err = io.StringIO(), io.StringIO()
+    run_chat(ChatSession(torch_chat, GenerationOptions(max_new_tokens=6)), stdin, out, err, interactive=True)
+    assert "that line is not UTF-8 text (byte 0xe9 at byte 4 of the line); type it again" in err.getvalue()
+    assert out.getvalue() == f"> > {expected}\n> "      # the refused line has no answer
+
+
+class OneLine(io.RawIOBase):
+    """A raw stream that gives one line per read, as a terminal in canonical mode does."""
+
+    def __init__(self, data: bytes):
+        self.lines = data.splitlines(keepends=True)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if not self.lines:
+            return 0
+        line = self.lines.pop(0)
+        buffer[:len(line)] = line
+        return len(line)
