@@ -136,7 +136,8 @@ def compare(old: dict, new: dict) -> list[dict]:
                 continue
         elif key.endswith(CONTENT) or not any(part.isdigit() for part in key.split(".")):
             continue
-        change = {"key": key, "old": old.get(key), "new": new.get(key), "kind": kind_of(key, early_stopping, same_batch)}
+        change = {"key": key, "old": old.get(key), "new": new.get(key),
+                  "kind": kind_of(key, early_stopping, same_batch)}
         if key.endswith(CONTENT):          # which file: a digest alone names none
             change["file"] = new.get(key.removesuffix(CONTENT) + ".path")
         changes.append(change)
@@ -156,7 +157,8 @@ def _same(a, b) -> bool:
 
 
 def _order(key: str) -> list:
-    return [int(p) if p.isdigit() else p for p in key.split(".")]
+    """By name within a level, list items by number (data.datasets.10 after .9)."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
 
 
 # --------------------------------------------------------------------------- the check at --resume

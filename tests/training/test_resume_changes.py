@@ -5,7 +5,8 @@
   loads; `--allow-changes` continues, and metrics.jsonl, run_summary.json and later checkpoints show both
   values and the step; config.yaml keeps the config the run started with;
 - keys that do not change training (logging, evaluation, checkpoint frequency, merge, backend, memory
-  options) are never refused, and are recorded the same way;
+  options) are never refused, and are recorded the same way; each key's kind is listed here deliberately;
+- a curriculum stage resumed with changes is refused the same way, and goes on with allow_changes;
 - a checkpoint whose bytes changed in place (same size: trainer.pt, the weights, the adapter) is skipped for
   the previous complete one with one line, and the resumed run equals the uninterrupted one; so is one
   whose damage only shows while it loads (a checkpoint written before digests).
@@ -367,3 +368,53 @@ def test_a_damaged_checkpoint_with_nothing_older_ends_in_one_message(straight, t
     with pytest.raises(MudpuppyError, match=f"cannot resume from {ckpt}: it did not load .*no older checkpoint reads"):
         run(load_config(resume_cfg(tiny_model_dir, out, data)), create_backend("cpu"), **QUIET)
     assert (ckpt / "trainer.pt").is_file()                          # kept as it is
+
+
+# --------------------------------------------------------------------------- curricula
+
+class StopsAtCall:
+    """Backends whose trainers, together, stop the run at once (a second Ctrl-C) on optimizer step call n."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, cfg):
+        backend, outer = create_backend(cfg.backend), self
+
+        class Stopping:
+            def __getattr__(self, name):
+                return getattr(backend, name)
+
+            def create_trainer(self, handle, tcfg):
+                trainer = backend.create_trainer(handle, tcfg)
+                step = trainer.step
+
+                def stopping(*args, **kwargs):
+                    outer.calls += 1
+                    if outer.calls == outer.n:
+                        raise KeyboardInterrupt
+                    return step(*args, **kwargs)
+
+                trainer.step = stopping
+                return trainer
+
+        return Stopping()
+
+
+def test_a_curriculum_stage_resumed_with_changes_is_refused_unless_allowed(tiny_model_dir, tmp_path):
+    from mudpuppy import load_curriculum, run_curriculum
+    from mudpuppy.training.loop import Interrupted
+
+    from .test_curriculum import curriculum
+
+    raw = curriculum(tiny_model_dir, tmp_path / "c")
+    raw["stages"] = raw["stages"][:2]
+    with pytest.raises(Interrupted):          # stage 1: calls 1-2; stage 2 saves its step 2 and stops in call 5
+        run_curriculum(load_curriculum(raw), echo=lambda *_: None, backend_for=StopsAtCall(5))
+    raw["stages"][1]["training"]["learning_rate"] = 1e-2
+    with pytest.raises(MudpuppyError, match="training.learning_rate: 0.005 -> 0.01"):
+        run_curriculum(load_curriculum(raw), echo=lambda *_: None)
+    run_curriculum(load_curriculum(raw), echo=lambda *_: None, allow_changes=True)
+    stage = tmp_path / "c" / "stage-2-more-intents"
+    (change,) = json.loads((stage / "run_summary.json").read_text())["config_changes"]
+    assert (change["key"], change["old"], change["new"], change["step"]) == ("training.learning_rate", 0.005, 0.01, 2)
