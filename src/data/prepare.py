@@ -9,74 +9,26 @@ Two stages, so that data problems surface before any model loads:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError, DataError
 from . import cache
-from .examples import AnyExample, Example
+from .examples import AnyExample
 from .formats import check_method_format, detect_format, normalize_records, rename_fields
-from .readers import Record, is_local, read_source
-from .render import RenderOptions, instruction_prompt
+from .prepared import (  # noqa: F401  (re-exported: evaluation and training import them from here)
+    EVAL_TOOL_FORMAT, SKIPPED_SHOWN, DataReport, LoadedData, LoadedDataset, PreparedData, fit_length,
+    record_for_eval, render_options,
+)
+from .readers import is_local, read_source
 from .templates import apply_chat_template_choice, template_warnings
 from .tokenize import needs_template, tokenize_records, tool_format_for
 from .tools import uses_tools
 from .tokenizers import load_text_tokenizer
 from .vision import is_vision_model, is_vision_tokenizer, load_vision_tokenizer, vision_problems
 from .images import resolve_images
-
-SKIPPED_SHOWN = 20     # bad-record locations kept for the report
-EVAL_TOOL_FORMAT = "_tool_format"   # key of an eval record: how its dataset rendered tool calls
-
-
-@dataclass
-class DataReport:
-    per_dataset: dict[str, int] = field(default_factory=dict)   # dataset path -> examples kept
-    formats: dict[str, str] = field(default_factory=dict)       # dataset path -> format
-    tool_formats: dict[str, str] = field(default_factory=dict)  # dataset path -> how its tool calls render
-    truncated: int = 0
-    dropped: int = 0                 # too long (truncation: drop) or nothing to learn
-    dropped_too_long: int = 0
-    dropped_no_target: int = 0
-    skipped: int = 0                 # bad records left out (skip_bad_records)
-    skipped_at: list[str] = field(default_factory=list)
-    train_examples: int = 0
-    val_examples: int = 0
-    loss_token_share: float = 0.0
-    cache: str = "off"               # off | fresh | written | reused
-    cache_path: str = ""
-    cache_created: str = ""
-    warnings: list[str] = field(default_factory=list)
-
-
-@dataclass
-class PreparedData:
-    train: list[Example]          # other example types for methods beyond SFT (see examples.py)
-    val: list[Example]
-    val_records: list[dict]       # raw records behind `val`, for generation checks
-    report: DataReport
-
-
-@dataclass
-class LoadedDataset:
-    spec: object                  # the DatasetSpec
-    name: str                     # how errors and reports name it
-    format: str
-    records: list[Record]
-    fingerprint: str
-    skipped: list[str] = field(default_factory=list)
-
-
-@dataclass
-class LoadedData:
-    train: list[LoadedDataset]
-    val: list[LoadedDataset]
-
-    def fingerprints(self) -> list[str]:
-        return [d.fingerprint for d in self.train + self.val]
-
 
 # --------------------------------------------------------------------------- stage 1: records
 
@@ -122,12 +74,6 @@ def load_data(cfg, method: str | None = None) -> LoadedData:
 
 # --------------------------------------------------------------------------- stage 2: tokens
 
-def render_options(spec, has_template: bool) -> RenderOptions:
-    chat = spec.prompt_style == "chat" or (spec.prompt_style == "auto" and has_template)
-    return RenderOptions(frozenset(spec.roles_to_train), spec.train_on_inputs, spec.train_on_eos, chat,
-                         spec.system_prompt, spec.tool_format)
-
-
 def tokenize_dataset(ds: LoadedDataset, tokenizer, has_template: bool,
                      report: DataReport | None = None) -> tuple[list[AnyExample], list[dict]]:
     opts = render_options(ds.spec, has_template)
@@ -137,44 +83,6 @@ def tokenize_dataset(ds: LoadedDataset, tokenizer, has_template: bool,
             report.tool_formats[ds.spec.path] = opts.tool_format
     examples = tokenize_records(tokenizer, ds.format, ds.records, opts, ds.name)
     return examples, [record_for_eval(ds.format, r.data, opts) for r in ds.records]
-
-
-def record_for_eval(fmt: str, data: dict, opts: RenderOptions) -> dict:
-    """The record as evaluation reads it: prompt/response data rendered as chat gets the
-    conversation it was trained as, so generation checks work on it too; a record with tools
-    carries the tool format its dataset rendered them in."""
-    if uses_tools(data):
-        data = {**data, EVAL_TOOL_FORMAT: opts.tool_format}
-    if not opts.chat or fmt not in ("instruction", "completion"):
-        return data
-    if fmt == "instruction":
-        prompt, answer, system = instruction_prompt(data)[0], data["output"], data.get("system") or opts.system_prompt
-    else:
-        prompt, answer, system = data["prompt"], data["completion"], opts.system_prompt
-    if not isinstance(prompt, str) or not isinstance(answer, str):
-        return data
-    head = [{"role": "system", "content": system}] if system else []
-    return {**data, "messages": head + [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
-
-
-def fit_length(examples: list, records: list[dict], max_len: int, policy: str, report: DataReport):
-    """Truncate or drop what is longer than `max_len`; drop what has nothing to learn."""
-    out_ex, out_rec = [], []
-    for ex, rec in zip(examples, records):
-        if len(ex) > max_len:
-            # Never cut through an image's tokens: its pixels would have no place left.
-            if policy == "drop" or getattr(ex, "image_end", 0) > max_len:
-                report.dropped_too_long += 1
-                continue
-            report.truncated += 1
-            ex = ex.truncated(max_len)
-        if not ex.has_target():
-            report.dropped_no_target += 1
-            continue
-        out_ex.append(ex)
-        out_rec.append(rec)
-    report.dropped = report.dropped_too_long + report.dropped_no_target
-    return out_ex, out_rec
 
 
 def split_validation(train: list, records: list[dict], origin: list[int], size: float, seed: int):
