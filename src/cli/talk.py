@@ -3,12 +3,24 @@ options both share (which model, where it runs, how it samples)."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
 import click
 
 from .common import debug_option, handle_errors
+
+
+class Finite(click.FloatRange):
+    """A FloatRange that refuses nan and inf, which pass its comparisons (nan) or its bounds (inf without a
+    max): a NaN temperature failed inside transformers with a traceback."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def _talk_options(fn):
@@ -26,7 +38,7 @@ def _talk_options(fn):
         click.option("--trust-remote-code", is_flag=True,
                      help="Let Python files that came with the model run (auto_map); never taken from a run's "
                           "config.yaml."),
-        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+        click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
                      help="Nucleus sampling: keep the most likely tokens up to this probability mass."),
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Keep the K most likely tokens (0: no cut)."),
@@ -48,7 +60,7 @@ def _load_talking_model(target, backend, precision, base_model, chat_template, t
 
 @click.command()
 @_talk_options
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
               help="Sampling temperature; 0 (and anything below 1e-5) is greedy decoding (the answer "
                    "`mudpuppy eval` scores).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
@@ -83,19 +95,19 @@ def chat(target, backend, precision, base_model, chat_template, trust_remote_cod
               help="TCP port (0: a free one, printed at start).")
 @click.option("--model-name", default=None, help="The model id clients send and /v1/models lists "
                                                   "(default: the directory name or alias).")
-@click.option("--temperature", type=click.FloatRange(min=0, max=2), default=1.0, show_default=True,
+@click.option("--temperature", type=Finite(min=0, max=2), default=1.0, show_default=True,
               help="Temperature for requests that do not set one (OpenAI's default is 1); below 1e-5: greedy.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="max_tokens for requests that do not set one (cut to what the context leaves).")
 @click.option("--max-tokens", "max_tokens_cap", type=click.IntRange(min=1), default=4096, show_default=True,
               help="The most tokens one request may ask for; above it, or above the context left after the "
                    "prompt, a request gets a 400.")
-@click.option("--request-timeout", type=click.FloatRange(min=0), default=600.0, show_default=True,
+@click.option("--request-timeout", type=Finite(min=0), default=600.0, show_default=True,
               help="Seconds one answer may take from its arrival; then it ends with finish_reason "
                    "\"length\" (0: no limit).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True,
               help="Answers decoded together in one batch; more requests wait for a place.")
-@click.option("--max-body", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
+@click.option("--max-body", type=Finite(min=0, min_open=True), default=4.0, show_default=True,
               metavar="MIB", help="The largest request body read, in MiB; a larger one gets a 413 before it is read.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=128, show_default=True,
               help="Connections handled at once; the next ones get a 503 with Retry-After.")
