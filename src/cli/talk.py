@@ -42,7 +42,8 @@ def _talk_options(fn):
                      help="Nucleus sampling: keep the most likely tokens up to this probability mass."),
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Keep the K most likely tokens (0: no cut)."),
-        click.option("--seed", type=int, default=None, help="Seed for sampling (default: a fresh one per answer)."),
+        click.option("--seed", type=click.IntRange(-2**63, 2**63 - 1), default=None,
+                     help="Seed for sampling, a 64-bit integer (default: a fresh one per answer)."),
     ]
     for option in reversed(options):
         fn = option(fn)

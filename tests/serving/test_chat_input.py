@@ -79,14 +79,17 @@ class OneLine(io.RawIOBase):
 @pytest.mark.parametrize("command, flag, value", [
     ("chat", "--temperature", "nan"), ("chat", "--temperature", "inf"), ("chat", "--top-p", "nan"),
     ("serve", "--temperature", "nan"), ("serve", "--max-body", "inf"), ("serve", "--request-timeout", "nan"),
+    ("chat", "--seed", str(2**64)), ("serve", "--seed", str(-2**63 - 1)),      # torch's seed is 64 bits
 ])
-def test_a_flag_that_is_not_a_finite_number_is_refused_before_loading(command, flag, value, tmp_path):
-    """nan passes a range's comparisons: a NaN temperature failed inside transformers with a traceback."""
+def test_a_flag_out_of_its_range_is_refused_before_loading(command, flag, value, tmp_path):
+    """nan passes a range's comparisons: a NaN temperature failed inside transformers with a traceback, and
+    a seed beyond 64 bits in torch ("Overflow when unpacking long long")."""
     from click.testing import CliRunner
 
     from mudpuppy.cli import main
 
     result = CliRunner().invoke(main, [command, str(tmp_path / "never-loaded"), flag, value], input="hi\n")
     assert result.exit_code == 2, result.output
-    assert f"Invalid value for '{flag}': '{value}' is not a finite number." in result.output
+    assert f"Invalid value for '{flag}': " in result.output
+    assert ("is not a finite number." if flag != "--seed" else "is not in the range") in result.output
     assert "loading" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
