@@ -67,6 +67,8 @@ class DataConfig(_Strict):
     max_record_bytes: int = Field(
         MAX_RECORD_BYTES, gt=0, description="largest record read from a data file (a JSON line's bytes); a larger "
                                             "one is an error naming file:line (or skipped with skip_bad_records)")
+    num_proc: int | None = Field(
+        None, gt=0, description="worker processes tokenizing SFT data; default: the cores this process may use")
     cache: bool = Field(True, description="reuse data tokenized by `mudpuppy preprocess` when it still matches")
     cache_dir: str | None = Field(None, description="where tokenized data is cached; default <mudpuppy cache>/data")
 

@@ -55,8 +55,9 @@ class Batcher:
         self.packing = packing
         # Preference, KTO and reward items batch through their own collate (see pairs.py).
         self.collate_fn = collate_fn
+        self.lengths = lengths_of(examples)
         self.mode, self._units, self._per_batch = plan_batches(
-            [len(e) for e in examples], micro_batch_size, seed, packing=packing, sequence_len=sequence_len,
+            self.lengths, micro_batch_size, seed, packing=packing, sequence_len=sequence_len,
             tokens_per_batch=tokens_per_batch, by_length=group_by_length)
         # (rank, world): each step takes `world` times the units and this rank keeps its share.
         self.rank, self.world = shard
@@ -111,16 +112,21 @@ class Batcher:
         mine = np.array_split(take, self.world)[self.rank]
         return (mine, False) if len(mine) else (take[:1], True)
 
-    def epoch_batches(self) -> list[Batch]:
-        """One epoch of batches in unshuffled order, without moving the batcher (for reports)."""
-        out = []
-        for start in range(0, len(self._units), self._per_batch):
-            units = self._units[start : start + self._per_batch]
-            if self.packing:
-                out.append(collate_packed([[self.examples[i] for i in row] for row in units], self.pad_id))
-            else:
-                out.append(self.collate_fn([self.examples[i] for unit in units for i in unit], self.pad_id))
-        return out
+    def epoch_fill(self) -> tuple[int, int, int]:
+        """(real tokens, batch slots, batches) of one epoch under this batching, from the lengths alone:
+        what collating every batch would count, without building any (for reports)."""
+        units = self._units
+        lengths = self.lengths[units.flat].astype(np.int64)
+        starts = units.bounds[:-1]
+        sizes = np.diff(units.bounds)
+        sums = np.add.reduceat(lengths, starts) if len(lengths) else np.zeros(0, np.int64)
+        widest = np.maximum.reduceat(lengths, starts) if len(lengths) else np.zeros(0, np.int64)
+        firsts = np.arange(0, len(units), self._per_batch)
+        if self.packing:           # rows of a batch padded to its fullest row
+            slots = np.add.reduceat(np.ones(len(units), np.int64), firsts) * np.maximum.reduceat(sums, firsts)
+        else:                      # examples of a batch padded to its longest
+            slots = np.add.reduceat(sizes, firsts) * np.maximum.reduceat(widest, firsts)
+        return int(lengths.sum()), int(slots.sum()), len(firsts)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
@@ -138,19 +144,52 @@ class Batcher:
         self._order = self._order_for(self.epoch)
 
 
-def plan_batches(lengths: list[int], micro_batch_size: int, seed: int, *, packing: bool = False,
+class Units:
+    """Batching units (an example, a packed row or a whole batch) as lists of example indices, held
+    flat: unit u is flat[bounds[u]:bounds[u + 1]]. Two arrays, not a million Python lists."""
+
+    def __init__(self, flat: np.ndarray, bounds: np.ndarray):
+        self.flat, self.bounds = flat, bounds
+
+    @classmethod
+    def from_lists(cls, lists: list[list[int]]) -> Units:
+        flat = np.fromiter((i for unit in lists for i in unit), dtype=np.int64)
+        return cls(flat, np.concatenate([[0], np.cumsum([len(u) for u in lists], dtype=np.int64)]))
+
+    @classmethod
+    def consecutive(cls, order: np.ndarray, size: int) -> Units:
+        """`order` cut into units of `size` (the last may be shorter)."""
+        return cls(order, np.append(np.arange(0, len(order), size, dtype=np.int64), len(order)))
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, u) -> np.ndarray:
+        return self.flat[self.bounds[u]:self.bounds[u + 1]]
+
+
+def lengths_of(examples) -> np.ndarray:
+    """Every example's length: a store view has them as one array; a list is asked one by one."""
+    known = getattr(examples, "lengths", None)
+    if known is not None:
+        return np.asarray(known, dtype=np.int64)
+    return np.fromiter((len(e) for e in examples), dtype=np.int64, count=len(examples))
+
+
+def plan_batches(lengths, micro_batch_size: int, seed: int, *, packing: bool = False,
                  sequence_len: int | None = None, tokens_per_batch: int | None = None,
-                 by_length: bool = False) -> tuple[str, list[list[int]], int]:
+                 by_length: bool = False) -> tuple[str, Units, int]:
     """(mode, units, units per batch): a unit is an example, a packed row, or a whole batch."""
+    lengths = np.asarray(lengths, dtype=np.int64)
     if packing:
-        rows = pack_sequences(lengths, sequence_len)
+        rows = pack_sequences(lengths.tolist(), sequence_len)
         per_batch = max(1, tokens_per_batch // sequence_len) if tokens_per_batch else micro_batch_size
-        return "packed", rows, per_batch
+        return "packed", Units.from_lists(rows), per_batch
     if tokens_per_batch:
-        return "token_budget", group_by_token_budget(lengths, tokens_per_batch, seed), 1
+        return "token_budget", Units.from_lists(group_by_token_budget(lengths.tolist(), tokens_per_batch, seed)), 1
     if by_length:
-        return "by_length", group_by_length(lengths, micro_batch_size, seed), 1
-    return "plain", [[i] for i in range(len(lengths))], micro_batch_size
+        return "by_length", Units.consecutive(_length_order(lengths, seed), micro_batch_size), 1
+    return "plain", Units.consecutive(np.arange(len(lengths), dtype=np.int64), 1), micro_batch_size
 
 
 def _length_order(lengths: list[int], seed: int) -> np.ndarray:

@@ -4,9 +4,12 @@ The key hashes the bytes of every data file (or a hub dataset's fingerprint),
 the tokenizer (vocabulary, merges, special tokens, chat template) and the
 data settings that change tokens or masks. Anything else (packing, batch
 sizes, shuffling) is applied after loading, so changing it keeps the cache.
-An entry is a directory holding ``arrays.npz`` and ``meta.json``, written to
-a temporary name and renamed, so a crash never leaves a half entry behind.
-An entry damaged later (a truncated file, a disk error) is never fatal: it is
+An entry is a directory written to a temporary name and renamed, so a crash
+never leaves a half entry behind. SFT data is a token store (``store.py``:
+flat arrays read by memory map, with the training and validation index
+arrays and ``meta.json``); other methods' examples are ``arrays.npz`` and
+``meta.json``. An entry damaged later (a truncated file, a disk error, bytes
+that no longer match the checksums written with it) is never fatal: it is
 named in one warning and the data is tokenized afresh.
 """
 
@@ -21,12 +24,15 @@ import tempfile
 import time
 import zipfile
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from .examples import AnyExample, Example, LabeledExample, PairExample, PromptExample, StepExample
+from .store import StoreView, TokenStore, file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +41,10 @@ logger = logging.getLogger(__name__)
 DAMAGE = (OSError, ValueError, KeyError, IndexError, TypeError, EOFError, zipfile.BadZipFile, zlib.error)
 
 # Bump when tokenization or the entry layout changes: older entries are then ignored.
-CACHE_VERSION = 2   # 2: rl examples keep their prompt among the fields
+CACHE_VERSION = 3   # 2: rl examples keep their prompt among the fields; 3: SFT data as a token store
 
 # DataConfig fields that only affect batching, not tokens: they stay out of the key.
-BATCHING_ONLY = ("packing", "tokens_per_batch", "group_by_length", "shuffle", "cache", "cache_dir")
+BATCHING_ONLY = ("packing", "tokens_per_batch", "group_by_length", "shuffle", "cache", "cache_dir", "num_proc")
 
 
 def default_cache_dir() -> Path:
@@ -142,19 +148,14 @@ def unpack_split(arrays, metas: list[dict], prefix: str) -> list[AnyExample]:
 
 # --------------------------------------------------------------------------- entries
 
-def write_entry(root: Path, key: str, prepared) -> Path:
-    """Store a PreparedData under `key`; returns the entry directory."""
+@contextmanager
+def staged_entry(root: Path, key: str) -> Iterator[Path]:
+    """A folder to write the entry `key` into; renamed to root/key once the block completes."""
     root.mkdir(parents=True, exist_ok=True)
     target = root / key
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
     try:
-        train_arrays, train_meta = pack_split(prepared.train, "train")
-        val_arrays, val_meta = pack_split(prepared.val, "val")
-        np.savez(staging / "arrays.npz", **train_arrays, **val_arrays)
-        meta = {"version": CACHE_VERSION, "key": key, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "train": train_meta, "val": val_meta, "val_records": prepared.val_records,
-                "report": asdict(prepared.report)}
-        (staging / "meta.json").write_text(json.dumps(meta, default=str))
+        yield staging
         if target.exists():
             shutil.rmtree(target, ignore_errors=True)
         try:
@@ -166,7 +167,48 @@ def write_entry(root: Path, key: str, prepared) -> Path:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+
+def write_entry(root: Path, key: str, prepared) -> Path:
+    """Store a PreparedData of any example type under `key` as arrays.npz; returns the entry directory."""
+    with staged_entry(root, key) as staging:
+        train_arrays, train_meta = pack_split(prepared.train, "train")
+        val_arrays, val_meta = pack_split(prepared.val, "val")
+        np.savez(staging / "arrays.npz", **train_arrays, **val_arrays)
+        meta = {"version": CACHE_VERSION, "key": key, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "train": train_meta, "val": val_meta, "val_records": prepared.val_records,
+                "report": asdict(prepared.report)}
+        (staging / "meta.json").write_text(json.dumps(meta, default=str))
+    return root / key
+
+
+def finish_store_entry(folder: Path, key: str, store_meta: dict, train: np.ndarray, val: np.ndarray,
+                       prepared) -> None:
+    """meta.json and the index arrays beside a token store written into `folder` (a staged entry)."""
+    sums = {}
+    for name, index in (("train", train), ("val", val)):
+        path = folder / f"{name}.idx.bin"
+        path.write_bytes(np.ascontiguousarray(index, dtype=np.int64).tobytes())
+        sums[name] = file_sha256(path)
+    meta = {"version": CACHE_VERSION, "key": key, "layout": "store", "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "store": store_meta, "index_sha256": sums, "val_records": prepared.val_records,
+            "report": asdict(prepared.report)}
+    (folder / "meta.json").write_text(json.dumps(meta, default=str))
+
+
+def read_store_entry(entry: Path, meta: dict, verify: bool = True):
+    """(train view, val view, val_records, report dict, created) of a token-store entry."""
+    store = TokenStore(entry, meta["store"], verify=verify)
+    views = []
+    for name in ("train", "val"):
+        path = entry / f"{name}.idx.bin"
+        if verify and file_sha256(path) != meta["index_sha256"][name]:
+            raise ValueError(f"{path.name} does not match the checksum written with it")
+        index = np.fromfile(path, dtype=np.int64)
+        if len(index) and (index.min() < 0 or index.max() >= len(store)):
+            raise ValueError(f"{path.name} points outside the store")
+        views.append(StoreView(store, index))
+    return views[0], views[1], meta["val_records"], meta["report"], meta["created"]
 
 
 def read_entry(root: Path, key: str):
@@ -179,6 +221,8 @@ def read_entry(root: Path, key: str):
         meta = json.loads((entry / "meta.json").read_text())
         if not isinstance(meta, dict) or meta.get("version") != CACHE_VERSION or meta.get("key") != key:
             return None if isinstance(meta, dict) else _damaged(entry, "meta.json is not an object")
+        if meta.get("layout") == "store":
+            return read_store_entry(entry, meta)
         with np.load(entry / "arrays.npz", allow_pickle=False) as arrays:
             train = unpack_split(arrays, meta["train"], "train")
             val = unpack_split(arrays, meta["val"], "val")

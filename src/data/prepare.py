@@ -29,6 +29,7 @@ from .tools import uses_tools
 from .tokenizers import load_text_tokenizer
 from .vision import is_vision_model, is_vision_tokenizer, load_vision_tokenizer, vision_problems
 from .images import resolve_images
+from .pipeline import prepare_store
 
 # --------------------------------------------------------------------------- stage 1: records
 
@@ -158,8 +159,12 @@ def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: st
             report.cache, report.cache_path, report.cache_created = "reused", str(root / key), created
             return PreparedData(train, val, val_records, report)
 
+    warnings = template_warnings(tokenizer, cfg.data.chat_template)
+    if (method or cfg.data_method()) == "sft" and not is_vision_tokenizer(tokenizer):
+        # SFT examples go to a memory-mapped token store (pipeline.py): flat memory at any data size.
+        return prepare_store(cfg, tokenizer, loaded, template is not None, key, root, write_cache, warnings)
     prepared = tokenize_all(cfg, tokenizer, loaded, template is not None)
-    prepared.report.warnings += template_warnings(tokenizer, cfg.data.chat_template)
+    prepared.report.warnings += warnings
     if is_vision_tokenizer(tokenizer) and cfg.data.cache:
         prepared.report.warnings.append("data.cache: image data is tokenized afresh for each run (its tokens "
                                         "depend on the image files, which the cache does not track)")

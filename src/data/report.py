@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .batching import Batcher
+from .batching import Batcher, lengths_of
 from .examples import Example
 from .packing import packing_efficiency
 from .prepare import PreparedData
@@ -29,8 +29,10 @@ class LengthStats:
     percentiles: dict[int, int]
 
 
-def length_stats(examples: list) -> LengthStats | None:
-    lengths = np.asarray([len(s) for ex in examples for s in ex.sequences()])
+def length_stats(examples) -> LengthStats | None:
+    # A store view knows its lengths as one array; other example types count every sequence.
+    known = getattr(examples, "lengths", None)
+    lengths = np.asarray(known if known is not None else [len(s) for ex in examples for s in ex.sequences()])
     if not len(lengths):
         return None
     pct = {p: int(np.percentile(lengths, p, method="nearest")) for p in PERCENTILES}
@@ -38,13 +40,10 @@ def length_stats(examples: list) -> LengthStats | None:
                        float(lengths.mean()), pct)
 
 
-def batching_efficiency(examples: list[Example], cfg, pad_id: int) -> tuple[float, int]:
+def batching_efficiency(examples, cfg, pad_id: int) -> tuple[float, int]:
     """(share of batch slots holding real tokens, batches per epoch) under the config's batching."""
-    batcher = Batcher.from_config(examples, cfg, pad_id)
-    batches = batcher.epoch_batches()
-    real = sum(b.real_tokens for b in batches)
-    slots = sum(b.input_ids.size for b in batches)
-    return real / max(slots, 1), len(batches)
+    real, slots, batches = Batcher.from_config(examples, cfg, pad_id).epoch_fill()
+    return real / max(slots, 1), batches
 
 
 def describe_batching(cfg) -> str:
@@ -70,6 +69,13 @@ def mark_loss_tokens(tokenizer, ex: Example) -> str:
     return "".join(parts)
 
 
+def plain_examples(train):
+    """The examples packing and batching apply to: a store view whole; of a list, its plain Examples."""
+    if hasattr(train, "lengths"):
+        return train
+    return [ex for ex in train if isinstance(ex, Example)]
+
+
 def format_report(prepared: PreparedData, cfg, tokenizer, samples: int = 0) -> list[str]:
     rep = prepared.report
     lines = []
@@ -90,9 +96,9 @@ def format_report(prepared: PreparedData, cfg, tokenizer, samples: int = 0) -> l
     for where in rep.skipped_at:
         lines.append(f"  skipped {where}")
     lines.append(f"loss-carrying tokens: {rep.loss_token_share:.1%} of training tokens")
-    plain = [ex for ex in prepared.train if isinstance(ex, Example)]
-    if plain:
-        eff, rows = packing_efficiency([len(e) for e in plain], cfg.data.sequence_len)
+    plain = plain_examples(prepared.train)
+    if len(plain):
+        eff, rows = packing_efficiency(lengths_of(plain).tolist(), cfg.data.sequence_len)
         lines.append(f"packing: {eff:.1%} of slots filled ({rows} rows of {cfg.data.sequence_len})"
                      + ("" if cfg.data.packing else "  [data.packing is off]"))
         eff, n = batching_efficiency(plain, cfg, tokenizer.pad_token_id or 0)

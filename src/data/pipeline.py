@@ -1,0 +1,182 @@
+"""SFT data into a memory-mapped token store: chunks of records -> worker processes -> store.
+
+    records (in chunks of CHUNK)  ->  render + tokenize + fit to length (data.num_proc workers)
+                                  ->  appended to the store, in file order
+    store  ->  validation split, dataset weights: index arrays  ->  StoreViews for training
+
+The tokens and masks are those `prepare.tokenize_all` makes (a test compares
+them on every format and template in the test data); only where they live
+changes. Other methods (pairs, labels, prompts) and vision-language data keep
+`tokenize_all`'s lists.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError
+from . import cache
+from .prepared import SKIPPED_SHOWN, DataReport, LoadedData, LoadedDataset, PreparedData, fit_length, \
+    record_for_eval, render_options
+from .store import StoreWriter, TokenStore
+from .templates import require_chat_template
+from .tokenize import needs_template, tokenize_records, tool_format_for
+from .tools import uses_tools
+from .workers import available_cores, ordered_map
+
+CHUNK = 512    # records per job: the tokenizer's batch size, and small enough to keep a worker's memory flat
+
+
+def num_workers(cfg) -> int:
+    return cfg.data.num_proc or available_cores()
+
+
+def tokenize_chunk(tokenizer, job: tuple) -> tuple:
+    """One chunk of records (in a worker): kept examples, their lines, eval records (JSON) when asked,
+    and the (truncated, too long, no target) counts."""
+    fmt, records, opts, name, max_len, policy, keep = job
+    examples = tokenize_records(tokenizer, fmt, records, opts, name)
+    report = DataReport()
+    positions = list(range(len(records)))
+    kept, at = fit_length(examples, positions, max_len, policy, report)
+    lines = [records[i].line if records[i].line is not None else records[i].row for i in at]
+    texts = [json.dumps(record_for_eval(fmt, records[i].data, opts), default=str) for i in at] if keep else None
+    return kept, lines, texts, (report.truncated, report.dropped_too_long, report.dropped_no_target)
+
+
+def dataset_options(tokenizer, ds: LoadedDataset, has_template: bool, report: DataReport):
+    """The dataset's render options, its tool format settled over all its records, as `tokenize_dataset`
+    and `tokenize_records` settle it for a whole list (the template is required up front, not per chunk)."""
+    opts = render_options(ds.spec, has_template)
+    if needs_template(ds.format, ds.records, opts):
+        require_chat_template(tokenizer, ds.name)
+        opts = replace(opts, tool_format=tool_format_for(tokenizer, opts, ds.records))
+        if has_template and any(uses_tools(r.data) for r in ds.records):
+            report.tool_formats[ds.spec.path] = opts.tool_format
+    return opts
+
+
+def write_dataset(writer: StoreWriter, ds: LoadedDataset, tokenizer, has_template: bool, cfg,
+                  report: DataReport, keep_records: bool, workers: int) -> None:
+    opts = dataset_options(tokenizer, ds, has_template, report)
+    by_row = bool(ds.records) and ds.records[0].line is None
+    d = writer.add_dataset(ds.name, by_row)
+    before = writer.count
+    jobs = ((ds.format, ds.records[i : i + CHUNK], opts, ds.name, cfg.data.sequence_len, cfg.data.truncation,
+             keep_records) for i in range(0, len(ds.records), CHUNK))
+    # Forking workers costs more than one chunk takes to tokenize: small data stays in this process.
+    procs = workers if len(ds.records) > CHUNK else 1
+    for kept, lines, texts, (truncated, too_long, no_target) in ordered_map(tokenize_chunk, jobs, tokenizer, procs):
+        writer.append(d, kept, lines, texts)
+        report.truncated += truncated
+        report.dropped_too_long += too_long
+        report.dropped_no_target += no_target
+    report.dropped = report.dropped_too_long + report.dropped_no_target
+    report.per_dataset[ds.spec.path] = writer.count - before
+    report.formats[ds.spec.path] = ds.format
+    report.skipped += len(ds.skipped)
+    report.skipped_at += ds.skipped[: max(0, SKIPPED_SHOWN - len(report.skipped_at))]
+
+
+def build_store(cfg, tokenizer, loaded: LoadedData, has_template: bool, folder: Path) -> tuple[dict, DataReport]:
+    """Tokenize every dataset (training ones first) into a store at `folder`; (store meta, report)."""
+    report = DataReport()
+    writer = StoreWriter(folder)
+    hold_out = bool(cfg.data.val_set_size) and not loaded.val
+    workers = num_workers(cfg)
+    try:
+        for ds in loaded.train:
+            write_dataset(writer, ds, tokenizer, has_template, cfg, report, hold_out, workers)
+        for ds in loaded.val:
+            write_dataset(writer, ds, tokenizer, has_template, cfg, report, True, workers)
+    finally:
+        meta = writer.close()
+    return meta, report
+
+
+def select(cfg, store: TokenStore, loaded: LoadedData, report: DataReport) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) indices into the store: the split and the weights, as `tokenize_all` applies
+    them to lists."""
+    origin = np.asarray(store.arrays["dataset"])
+    train = np.flatnonzero(origin < len(loaded.train))
+    val = np.flatnonzero(origin >= len(loaded.train))
+    if not len(train):
+        raise DataError(loaded.train[0].name, None, "no usable training examples after length filtering "
+                        f"({report.dropped_too_long} too long, {report.dropped_no_target} with no trained tokens)")
+    if cfg.data.val_set_size and not loaded.val:
+        train, val = split_indices(train, cfg.data.val_set_size, cfg.training.seed)
+    weights = [ds.spec.weight for ds in loaded.train]
+    return weight_indices(train, origin[train], weights, cfg.training.seed), val
+
+
+def split_indices(train: np.ndarray, size: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hold out `size` (a fraction or a count) of the training pool, drawn from the seed (`split_validation`)."""
+    n_val = int(size) if size >= 1 else max(1, round(len(train) * size))
+    if n_val >= len(train):
+        raise DataError("data.val_set_size", None,
+                        f"holds out {n_val} of {len(train)} examples, leaving none to train on")
+    held = np.zeros(len(train), dtype=bool)
+    held[np.random.default_rng(seed).permutation(len(train))[:n_val]] = True
+    return train[~held], train[held]
+
+
+def weight_indices(train: np.ndarray, origin: np.ndarray, weights: list, seed: int) -> np.ndarray:
+    """Each dataset's share scaled: weight 2 repeats it twice, 0.5 keeps a seeded half (`apply_weights`)."""
+    if all(w is None or w == 1 for w in weights):
+        return train
+    out = []
+    for d, weight in enumerate(weights):
+        mine = train[origin == d]
+        if weight is None or weight == 1 or not len(mine):
+            out.append(mine)
+            continue
+        whole, rest = divmod(round(weight * len(mine)), len(mine))
+        extra = np.random.default_rng([seed, d]).choice(len(mine), rest, replace=False)
+        out += [np.tile(mine, whole), mine[np.sort(extra)]]
+    return np.concatenate(out)
+
+
+def open_prepared(store: TokenStore, train: np.ndarray, val: np.ndarray, report: DataReport) -> PreparedData:
+    """The views training reads, and the report's totals, which need nothing but the index arrays."""
+    train_view, val_view = store.view(train), store.view(val)
+    report.train_examples, report.val_examples = len(train_view), len(val_view)
+    report.loss_token_share = train_view.target_tokens() / max(train_view.total_tokens(), 1)
+    return PreparedData(train_view, val_view, val_view.records(), report)
+
+
+def prepare_store(cfg, tokenizer, loaded: LoadedData, has_template: bool, key: str | None, root: Path,
+                  write_cache: bool, warnings: list[str]) -> PreparedData:
+    """Tokenized SFT data in a store: a new cache entry under `key` with `write_cache`, else a scratch
+    folder whose names are removed as soon as the maps are open."""
+    if key is not None and write_cache:
+        with cache.staged_entry(root, key) as folder:
+            prepared, meta, train, val = _build(cfg, tokenizer, loaded, has_template, folder, warnings)
+            prepared.report.cache, prepared.report.cache_path = "written", str(root / key)
+            cache.finish_store_entry(folder, key, meta, train, val, prepared)
+        return prepared
+    scratch = root / ".scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="store-", dir=scratch))
+    try:
+        prepared = _build(cfg, tokenizer, loaded, has_template, folder, warnings)[0]
+    finally:
+        # An open map keeps its file's data after the name is gone (POSIX): nothing is left on disk, even
+        # when the run is killed later. (Windows refuses to remove a mapped file: ignore_errors.)
+        shutil.rmtree(folder, ignore_errors=True)
+    prepared.report.cache = "fresh" if key is not None else "off"
+    return prepared
+
+
+def _build(cfg, tokenizer, loaded: LoadedData, has_template: bool, folder: Path, warnings: list[str]):
+    meta, report = build_store(cfg, tokenizer, loaded, has_template, folder)
+    store = TokenStore(folder, meta)
+    train, val = select(cfg, store, loaded, report)
+    prepared = open_prepared(store, train, val, report)
+    prepared.report.warnings += warnings
+    return prepared, meta, train, val

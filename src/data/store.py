@@ -1,0 +1,184 @@
+"""Tokenized SFT examples on disk as flat arrays, read back by memory map.
+
+A store is a folder of raw little arrays, appended chunk by chunk while the
+data is tokenized, so neither writing nor reading ever holds the whole data
+set in memory:
+
+    tokens.bin    int32  every example's token ids, end to end
+    mask.bin      bool   their loss masks, the same length
+    lengths.bin   int32  one length per example; offsets are their running sum
+    targets.bin   int32  loss-carrying tokens per example (token 0 never is one), for the report
+    lines.bin     int64  each example's line in its file (or row, for files without lines)
+    dataset.bin   int32  which dataset each example came from (an index into `names`)
+    records.bin   JSON   the record behind an example, as evaluation reads it, for examples that may be
+    records.idx   int64  held out: its start in records.bin (-1 where none was kept) and its length
+    records_len.bin
+
+A `StoreView` is a sequence of Examples picked by an index array: the
+training set, the held-out set, a weighted mix. Building one example costs
+two slices of the maps, whatever the store's size; everything a batcher
+plans with (lengths) is one small array per view.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .examples import Example
+
+ARRAYS = {"tokens": np.int32, "mask": np.bool_, "lengths": np.int32, "targets": np.int32,
+          "lines": np.int64, "dataset": np.int32, "records_idx": np.int64, "records_len": np.int64}
+PER_TOKEN = ("tokens", "mask")
+
+
+def _file(name: str) -> str:
+    return "records.idx" if name == "records_idx" else f"{name}.bin"
+
+
+class StoreWriter:
+    """Appends tokenized chunks to a store folder; `close()` returns the meta describing it."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._files = {name: open(self.folder / _file(name), "wb") for name in ARRAYS}
+        self._hashes = {name: hashlib.sha256() for name in ARRAYS}
+        self._records = open(self.folder / "records.bin", "wb")
+        self._records_at = 0
+        self.names: list[str] = []
+        self.by_row: list[bool] = []
+        self.count = 0
+        self.tokens = 0
+
+    def add_dataset(self, name: str, by_row: bool) -> int:
+        self.names.append(name)
+        self.by_row.append(by_row)
+        return len(self.names) - 1
+
+    def _put(self, name: str, values) -> None:
+        data = np.ascontiguousarray(values, dtype=ARRAYS[name]).tobytes()
+        self._files[name].write(data)
+        self._hashes[name].update(data)
+
+    def append(self, dataset: int, examples: list[Example], lines: list[int], records: list[str] | None) -> None:
+        """Examples of one dataset, in order; `records` (JSON text, one per example) when they may be held out."""
+        if not examples:
+            return
+        self._put("tokens", np.concatenate([e.input_ids for e in examples]))
+        self._put("mask", np.concatenate([e.loss_mask for e in examples]))
+        self._put("lengths", [len(e) for e in examples])
+        self._put("targets", [int(e.loss_mask[1:].sum()) for e in examples])
+        self._put("lines", lines)
+        self._put("dataset", np.full(len(examples), dataset))
+        starts, sizes = np.full(len(examples), -1, dtype=np.int64), np.zeros(len(examples), dtype=np.int64)
+        for i, text in enumerate(records or ()):
+            data = text.encode()
+            starts[i], sizes[i] = self._records_at, len(data)
+            self._records.write(data)
+            self._records_at += len(data)
+        self._put("records_idx", starts)
+        self._put("records_len", sizes)
+        self.count += len(examples)
+        self.tokens += sum(len(e) for e in examples)
+
+    def close(self) -> dict:
+        for f in (*self._files.values(), self._records):
+            f.close()
+        return {"names": self.names, "by_row": self.by_row, "count": self.count, "tokens": self.tokens,
+                "records_bytes": self._records_at, "sha256": {k: h.hexdigest() for k, h in self._hashes.items()}}
+
+    def abort(self) -> None:
+        for f in (*self._files.values(), self._records):
+            f.close()
+
+
+class TokenStore:
+    """A store folder opened by memory map; `verify` re-reads every file against the sha256 written with it."""
+
+    def __init__(self, folder: Path, meta: dict, verify: bool = False):
+        self.folder = Path(folder)
+        self.names, self.by_row = list(meta["names"]), list(meta["by_row"])
+        sizes = {name: meta["tokens"] if name in PER_TOKEN else meta["count"] for name in ARRAYS}
+        self.arrays: dict[str, np.ndarray] = {}
+        for name, dtype in ARRAYS.items():
+            path = self.folder / _file(name)
+            expected = sizes[name] * np.dtype(dtype).itemsize
+            if path.stat().st_size != expected:    # a cut file would silently shorten sequences
+                raise ValueError(f"{path.name} holds {path.stat().st_size} bytes where meta.json calls for {expected}")
+            if verify and file_sha256(path) != meta["sha256"][name]:
+                raise ValueError(f"{path.name} does not match the checksum written with it")
+            # np.memmap refuses an empty file; an empty array is what it would hold.
+            self.arrays[name] = (np.memmap(path, dtype=dtype, mode="r", shape=(sizes[name],)) if sizes[name]
+                                 else np.zeros(0, dtype=dtype))
+        self.lengths = np.asarray(self.arrays["lengths"])
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+        if self.offsets[-1] != sizes["tokens"]:
+            raise ValueError("lengths.bin does not add up to tokens.bin")
+        self._records = self.folder / "records.bin"
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def example(self, k: int) -> Example:
+        a, b = self.offsets[k], self.offsets[k + 1]
+        return Example(np.asarray(self.arrays["tokens"][a:b]), np.asarray(self.arrays["mask"][a:b]), self.source(k))
+
+    def source(self, k: int) -> str:
+        d, line = int(self.arrays["dataset"][k]), int(self.arrays["lines"][k])
+        return f"{self.names[d]} row {line}" if self.by_row[d] else f"{self.names[d]}:{line}"
+
+    def record(self, k: int) -> dict | None:
+        """The record behind example k, as evaluation reads it, where one was kept."""
+        start = int(self.arrays["records_idx"][k])
+        if start < 0:
+            return None
+        with open(self._records, "rb") as f:
+            f.seek(start)
+            return json.loads(f.read(int(self.arrays["records_len"][k])))
+
+    def view(self, index) -> StoreView:
+        return StoreView(self, np.asarray(index, dtype=np.int64))
+
+
+class StoreView(Sequence):
+    """Examples of a store picked by an index array (repeats allowed): a list for every reader of examples."""
+
+    def __init__(self, store: TokenStore, index: np.ndarray):
+        self.store, self.index = store, index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return StoreView(self.store, self.index[i])
+        return self.store.example(int(self.index[i]))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.store.lengths[self.index]
+
+    def total_tokens(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+    def target_tokens(self) -> int:
+        return int(np.asarray(self.store.arrays["targets"])[self.index].sum(dtype=np.int64))
+
+    def datasets(self) -> np.ndarray:
+        return np.asarray(self.store.arrays["dataset"])[self.index]
+
+    def records(self) -> list[dict]:
+        return [self.store.record(int(k)) for k in self.index]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
