@@ -54,10 +54,11 @@ def dataset_options(tokenizer, ds: LoadedDataset, has_template: bool, report: Da
     """The dataset's render options, its tool format settled over all its records, as `tokenize_dataset`
     and `tokenize_records` settle it for a whole list (the template is required up front, not per chunk)."""
     opts = render_options(ds.spec, has_template)
-    if needs_template(ds.format, ds.records, opts):
+    probe = ds.probe_records()
+    if needs_template(ds.format, probe, opts):
         require_chat_template(tokenizer, ds.name)
-        opts = replace(opts, tool_format=tool_format_for(tokenizer, opts, ds.records))
-        if has_template and any(uses_tools(r.data) for r in ds.records):
+        opts = replace(opts, tool_format=tool_format_for(tokenizer, opts, probe))
+        if has_template and any(uses_tools(r.data) for r in probe):
             report.tool_formats[ds.spec.path] = opts.tool_format
     return opts
 
@@ -65,13 +66,13 @@ def dataset_options(tokenizer, ds: LoadedDataset, has_template: bool, report: Da
 def write_dataset(writer: StoreWriter, ds: LoadedDataset, tokenizer, has_template: bool, cfg,
                   report: DataReport, keep_records: bool, workers: int) -> None:
     opts = dataset_options(tokenizer, ds, has_template, report)
-    by_row = bool(ds.records) and ds.records[0].line is None
-    d = writer.add_dataset(ds.name, by_row)
+    probe = ds.probe_records()
+    d = writer.add_dataset(ds.name, bool(probe) and probe[0].line is None)
     before = writer.count
-    jobs = ((ds.format, ds.records[i : i + CHUNK], opts, ds.name, cfg.data.sequence_len, cfg.data.truncation,
-             keep_records) for i in range(0, len(ds.records), CHUNK))
+    jobs = ((ds.format, chunk, opts, ds.name, cfg.data.sequence_len, cfg.data.truncation, keep_records)
+            for chunk in ds.chunks(CHUNK))
     # Forking workers costs more than one chunk takes to tokenize: small data stays in this process.
-    procs = workers if len(ds.records) > CHUNK else 1
+    procs = workers if ds.record_count() > CHUNK else 1
     for kept, lines, texts, (truncated, too_long, no_target) in ordered_map(tokenize_chunk, jobs, tokenizer, procs):
         writer.append(d, kept, lines, texts)
         report.truncated += truncated
@@ -80,7 +81,7 @@ def write_dataset(writer: StoreWriter, ds: LoadedDataset, tokenizer, has_templat
     report.dropped = report.dropped_too_long + report.dropped_no_target
     report.per_dataset[ds.spec.path] = writer.count - before
     report.formats[ds.spec.path] = ds.format
-    report.skipped += len(ds.skipped)
+    report.skipped += ds.skipped_count()
     report.skipped_at += ds.skipped[: max(0, SKIPPED_SHOWN - len(report.skipped_at))]
 
 

@@ -30,6 +30,7 @@ from .tokenizers import load_text_tokenizer
 from .vision import is_vision_model, is_vision_tokenizer, load_vision_tokenizer, vision_problems
 from .images import resolve_images
 from .pipeline import prepare_store
+from .stream import reread, scan, streamable
 
 # --------------------------------------------------------------------------- stage 1: records
 
@@ -39,15 +40,18 @@ def display_name(path: Path) -> str:
     return rel if not rel.startswith("..") else str(path)
 
 
-def load_dataset(cfg, spec, images: bool = False) -> LoadedDataset:
+def load_dataset(cfg, spec, images: bool = False, stream: bool = False) -> LoadedDataset:
     """Read one dataset and check every record against its format; with `images` (a vision-language
-    model), chat records may show images, whose files are found and checked here."""
+    model), chat records may show images, whose files are found and checked here. With `stream` (SFT
+    data, which the token store takes chunk by chunk), a JSON-lines file is scanned, not kept."""
     tolerant = cfg.data.skip_bad_records
     path = cfg.resolve_path(spec.path)
     name = display_name(path) if is_local(path) else spec.path
     if "tool" in spec.roles_to_train:
         raise DataError(name, None, "roles_to_train includes 'tool', but tool results never carry loss: they are "
                                     "what a tool returned, not what the model writes; leave 'tool' out")
+    if stream and not images and streamable(path):
+        return scan_dataset(cfg, spec, path, name)
     raw = read_source(path, name, split=spec.split, subset=spec.subset, tolerant=tolerant,
                       max_record_bytes=cfg.data.max_record_bytes)
     raw.records = raw.records[: spec.num_samples]
@@ -62,12 +66,26 @@ def load_dataset(cfg, spec, images: bool = False) -> LoadedDataset:
     return LoadedDataset(spec, name, fmt, records, raw.fingerprint, skipped)
 
 
+def scan_dataset(cfg, spec, path: Path, name: str) -> LoadedDataset:
+    """A JSON-lines dataset checked in one streamed pass (stream.py); read again when tokenized."""
+    tolerant, limit = cfg.data.skip_bad_records, cfg.data.max_record_bytes
+    found = scan(path, name, spec, tolerant, limit)
+    skipped = [f"{name}:{p.line}: {p.message}" for p in found.skipped]
+    if found.records is not None:          # a small file: kept, as every file was before streaming
+        return LoadedDataset(spec, name, found.format, found.records, found.fingerprint, skipped,
+                             skipped_total=found.skipped_total)
+    return LoadedDataset(spec, name, found.format, [], found.fingerprint, skipped,
+                         stream=lambda: reread(path, name, spec, found.format, tolerant, limit),
+                         count=found.count, skipped_total=found.skipped_total, probe=found.probe)
+
+
 def load_data(cfg, method: str | None = None) -> LoadedData:
     """Every dataset read and validated, and its format checked against the method."""
     method = method or cfg.data_method()
     images = is_vision_model(cfg.model)
-    loaded = LoadedData([load_dataset(cfg, s, images) for s in cfg.data.datasets],
-                        [load_dataset(cfg, s, images) for s in cfg.data.val_datasets])
+    stream = method == "sft"
+    loaded = LoadedData([load_dataset(cfg, s, images, stream) for s in cfg.data.datasets],
+                        [load_dataset(cfg, s, images, stream) for s in cfg.data.val_datasets])
     for ds in loaded.train + loaded.val:
         check_method_format(method, ds.format, ds.name)
     return loaded
@@ -184,7 +202,7 @@ def tokenize_group(datasets: list[LoadedDataset], tokenizer, has_template: bool,
                              cfg.data.truncation, report)
         report.per_dataset[ds.spec.path] = len(ex)
         report.formats[ds.spec.path] = ds.format
-        report.skipped += len(ds.skipped)
+        report.skipped += ds.skipped_count()
         report.skipped_at += ds.skipped[: max(0, SKIPPED_SHOWN - len(report.skipped_at))]
         examples += ex
         records += rec

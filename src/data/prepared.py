@@ -7,7 +7,7 @@ through a `DataReport` and return a `PreparedData`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .examples import Example
@@ -54,9 +54,39 @@ class LoadedDataset:
     spec: object                  # the DatasetSpec
     name: str                     # how errors and reports name it
     format: str
-    records: list[Record]
+    records: list[Record]         # empty where the file is streamed (see `stream`)
     fingerprint: str
     skipped: list[str] = field(default_factory=list)
+    # A streamed JSON-lines file (stream.py): its records are read again, chunk by chunk, when tokenized;
+    # only their count, the bad ones' total and a few probe records are kept from the scan.
+    stream: Callable[[], Iterator[Record]] | None = None
+    count: int = 0
+    skipped_total: int = 0
+    probe: list[Record] = field(default_factory=list)
+
+    def probe_records(self) -> list[Record]:
+        """Records enough to answer 'does any record ...' questions (templates, tool formats)."""
+        return self.probe if self.stream is not None else self.records
+
+    def record_count(self) -> int:
+        return self.count if self.stream is not None else len(self.records)
+
+    def skipped_count(self) -> int:
+        """Bad records left out: `skipped` lists only the first of them where the file was scanned."""
+        return max(self.skipped_total, len(self.skipped))
+
+    def chunks(self, size: int) -> Iterator[list[Record]]:
+        if self.stream is None:
+            yield from (self.records[i : i + size] for i in range(0, len(self.records), size))
+            return
+        chunk = []
+        for record in self.stream():
+            chunk.append(record)
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
 
 
 @dataclass

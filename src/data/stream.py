@@ -1,0 +1,289 @@
+"""JSON lines (plain or gzip/bzip2/xz-compressed) read record by record, never the whole file at once.
+
+SFT data from a `.jsonl` / `.ndjson` file is read twice: a scan before the
+model loads (every record parsed, its format detected on the first DETECT
+records and every record checked against it, so data errors still stop the
+run before anything heavy happens; nothing kept but counts and a few probe
+records), then again while tokenizing, in chunks. Each pass holds one line
+at a time; a line longer than `data.max_record_bytes` is measured, not held.
+
+The messages are `readers.read_jsonl`'s, at the same lines, and so is the
+order in which they win: a malformed line anywhere beats a format problem,
+which beats a bad field. Files this module does not stream (UTF-16/32 text,
+zstd, zip, other formats) go through `readers.read_file` as before.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import DataError
+from .formats import detect_format, normalize_record, rename_fields
+from .limits import oversize
+from .readers import Problem, RawSource, Record, data_suffix, parse_json_line, record_error
+from .tools import uses_tools
+
+DETECT = 1000          # records the format is detected on (today's rule, all records, for files this short)
+KEEP = 1000            # a file of at most this many records is kept in memory after the scan, as before
+HEAD = 4096            # bytes checked for NUL (UTF-16 without a byte-order mark), as readers.as_utf8_text does
+SHOWN = 20             # problems kept by message; the rest are counted
+_OPENERS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+_MAGIC = {b"\x1f\x8b": ".gz", b"\xfd7zXZ\x00": ".xz"}
+_WIDE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+
+def _compression(path: Path) -> str | None:
+    kind = path.suffix.lower()
+    if kind in _OPENERS:
+        return kind
+    with open(path, "rb") as f:
+        head = f.read(6)
+    return next((k for magic, k in _MAGIC.items() if head.startswith(magic)), None)
+
+
+def streamable(path: Path) -> bool:
+    """A local JSON-lines file this module reads (else `readers.read_file` does, whole)."""
+    if not path.is_file() or data_suffix(path) not in (".jsonl", ".ndjson"):
+        return False
+    if path.suffix.lower() in (".zst", ".zip"):
+        return False
+    with _open(path, path.name) as f:
+        head = f.read(4)
+    return not head.startswith(_WIDE_BOMS)
+
+
+def _open(path: Path, display: str):
+    kind = _compression(path)
+    if kind is None:
+        return open(path, "rb")
+    module = __import__(_OPENERS[kind])
+    return module.open(path, "rb")
+
+
+def _damaged(kind: str, display: str, exc: Exception) -> DataError:
+    return DataError(display, None, f"not a readable {kind[1:]} file ({exc}); is it complete?")
+
+
+def lines(path: Path, display: str, limit: int, digest=None) -> Iterator[tuple[int, bytes | int]]:
+    """(line number, line without its end) of the text as readers.as_utf8_text leaves it (no UTF-8 BOM,
+    CRLF as LF, a trailing Ctrl-Z dropped), or (line number, length) for a line over `limit` bytes."""
+    kind = _compression(path)
+    try:
+        with _open(path, display) as f:
+            head = f.read(HEAD + 3)
+        head = head.removeprefix(codecs.BOM_UTF8).replace(b"\r\n", b"\n")[:HEAD]
+        if b"\x00" in head:
+            raise DataError(display, head.count(b"\n", 0, head.index(b"\x00")) + 1,
+                            "holds NUL bytes: the file looks like UTF-16 text without a byte-order mark; "
+                            "re-save it as UTF-8")
+        with _open(path, display) as f:
+            yield from _split(f, limit, digest)
+    except (OSError, EOFError, ValueError) as exc:
+        if kind is None or isinstance(exc, DataError):
+            raise
+        raise _damaged(kind, display, exc) from None
+
+
+def _split(f, limit: int, digest) -> Iterator[tuple[int, bytes | int]]:
+    """readers.limits.line_spans over a stream: every segment between newlines, the last one (empty when
+    the text ends with a newline) included; a segment over `limit` bytes comes as its length."""
+    lineno, pending = 0, None     # one segment of lookahead: only the last one loses a trailing Ctrl-Z
+    while True:
+        line = f.readline(limit + 3 + (3 if lineno == 0 else 0))   # room for CRLF, one byte over, a BOM
+        _hash(digest, line)
+        lineno += 1
+        bom = 3 if lineno == 1 and line.startswith(codecs.BOM_UTF8) else 0
+        ended = line.endswith(b"\n")
+        if not ended and len(line) - bom > limit + 2:
+            seg, ended = _measure(f, line, digest)
+            seg -= bom
+        else:
+            seg = (line.removesuffix(b"\n").removesuffix(b"\r") if ended else line)[bom:]
+        if pending is not None:
+            yield pending
+        pending = (lineno, seg)
+        if not ended:
+            break
+    n, seg = pending
+    yield n, seg.rstrip(b"\x1a") if isinstance(seg, bytes) else seg
+
+
+def _measure(f, start: bytes, digest) -> tuple[int, bool]:
+    """The length of a line too long to keep (as the whole-file reader counts it: CRLF as one byte, the
+    newline not counted), read on in blocks that are dropped; and whether a newline ended it."""
+    size, tail, ctrl_z = len(start), start[-2:], _ctrl_z(start, 0)
+    while True:
+        more = f.readline(1 << 20)
+        _hash(digest, more)
+        if not more:
+            return size - ctrl_z, False         # the file's last line: its trailing Ctrl-Z is dropped
+        size += len(more)
+        ctrl_z = _ctrl_z(more, ctrl_z)
+        tail = (tail + more)[-2:]
+        if more.endswith(b"\n"):
+            return size - (2 if tail == b"\r\n" else 1), True
+
+
+def _ctrl_z(block: bytes, before: int) -> int:
+    """Ctrl-Z bytes ending the text once `block` follows `before` of them."""
+    kept = len(block.rstrip(b"\x1a"))
+    return before + len(block) if kept == 0 else len(block) - kept
+
+
+def _hash(digest, data: bytes) -> None:
+    if digest is not None:
+        digest.update(data)
+
+
+def records(path: Path, display: str, tolerant: bool, limit: int, digest=None) -> Iterator[Record | Problem]:
+    """Each line as a Record, or (with `tolerant`) a Problem; without `tolerant` a bad line raises."""
+    row = 0
+    for lineno, body in lines(path, display, limit, digest):
+        try:
+            if isinstance(body, int) or len(body) > limit:
+                raise DataError(display, lineno, oversize(body if isinstance(body, int) else len(body), limit,
+                                                          "this line"))
+            data = parse_json_line(body, display, lineno)
+        except DataError as exc:
+            if not tolerant:
+                raise
+            yield Problem(lineno, exc.detail)
+            continue
+        if data is not None:
+            row += 1
+            yield Record(data, row, lineno)
+
+
+# --------------------------------------------------------------------------- the two passes
+
+@dataclass
+class Tally:
+    """Problems of one kind: how many, and the first SHOWN of them."""
+
+    count: int = 0
+    shown: list[Problem] = field(default_factory=list)
+
+    def add(self, problem: Problem) -> None:
+        self.count += 1
+        if len(self.shown) < SHOWN:
+            self.shown.append(problem)
+
+
+@dataclass
+class Scan:
+    format: str
+    count: int                  # records that will be tokenized
+    fingerprint: str
+    probe: list[Record]         # the few records that decide template and tool-format questions
+    records: list[Record] | None   # every record, for a file of at most KEEP of them; else read again
+    skipped: list[Problem]      # the first bad records (reader's first, then fields'), as read_file orders them
+    skipped_total: int
+
+
+def _renamed(path: Path, name: str, spec, tolerant: bool, limit: int, digest=None) -> Iterator[Record | Problem]:
+    """Records with the dataset's field_map applied, and problems; the first num_samples records only."""
+    taken = 0
+    for item in records(path, name, tolerant, limit, digest):
+        if isinstance(item, Record):
+            if spec.num_samples is not None and taken >= spec.num_samples:
+                return
+            taken += 1
+            item.data = rename_fields(item.data, spec.field_map)
+        yield item
+
+
+class _Scanner:
+    """Pass one: detect, check every record, keep counts and probes; errors in read_file's order."""
+
+    def __init__(self, name: str, declared: str, tolerant: bool):
+        self.name, self.tolerant = name, tolerant
+        self.format = None if declared == "auto" else declared
+        self.declared, self.buffer = declared, []
+        self.read, self.fields = Tally(), Tally()
+        self.count, self.probe, self.deferred, self.kept = 0, {}, None, []
+
+    def add(self, item: Record | Problem) -> None:
+        if isinstance(item, Problem):
+            self.read.add(item)
+        elif self.format is not None:
+            self.check(item)
+        elif self.deferred is None:
+            self.buffer.append(item)
+            if len(self.buffer) >= DETECT:
+                self.detect()
+
+    def detect(self) -> None:
+        try:
+            self.format = detect_format(RawSource(self.name, self.buffer, ""), self.declared, self.tolerant)
+        except DataError as exc:        # a malformed line later still wins, as when the whole file was read
+            self.deferred = exc
+            return
+        for rec in self.buffer:
+            self.check(rec)
+        self.buffer = []
+
+    def check(self, rec: Record) -> None:
+        try:
+            data = normalize_record(self.format, rec.data)
+        except ValueError as exc:
+            if not self.tolerant:
+                self.deferred = self.deferred or record_error(self.name, rec, str(exc))
+            else:
+                self.fields.add(Problem(rec.line, str(exc)))
+            return
+        self.count += 1
+        record = Record(data, rec.row, rec.line)
+        if self.kept is not None:
+            self.kept = self.kept if self.count <= KEEP else None
+        if self.kept is not None:
+            self.kept.append(record)
+        prompts = ("prompt", "completion", "chosen", "rejected")
+        for kind, hit in (("first", True), ("lists", any(isinstance(data.get(k), list) for k in prompts)),
+                          ("tools", uses_tools(data)), ("schemas", bool(data.get("tools")))):
+            if hit and kind not in self.probe:
+                self.probe[kind] = record
+
+    def finish(self, fingerprint: str) -> Scan:
+        if self.format is None and self.deferred is None:
+            if not self.buffer:
+                if not self.read.count:
+                    raise DataError(self.name, None, "the file holds no records")
+                first = self.read.shown[0]
+                raise DataError(self.name, first.line, f"no usable records: all {self.read.count} were bad; "
+                                                       f"the first: {first.message}")
+            self.detect()
+        if self.deferred is not None:
+            raise self.deferred
+        problems = self.read.shown + self.fields.shown
+        if not self.count:
+            raise DataError(self.name, problems[0].line, f"no usable records: all {self.read.count + self.fields.count} "
+                                                         f"were bad; the first: {problems[0].message}")
+        return Scan(self.format, self.count, fingerprint, list(self.probe.values()), self.kept, problems,
+                    self.read.count + self.fields.count)
+
+
+def scan(path: Path, name: str, spec, tolerant: bool, limit: int) -> Scan:
+    """Pass one over a JSON-lines file: every record read and checked, nothing kept."""
+    digest = hashlib.sha256()
+    scanner = _Scanner(name, spec.type, tolerant)
+    for item in _renamed(path, name, spec, tolerant, limit, digest):
+        scanner.add(item)
+    return scanner.finish(digest.hexdigest())
+
+
+def reread(path: Path, name: str, spec, fmt: str, tolerant: bool, limit: int) -> Iterator[Record]:
+    """Pass two: the records the scan counted, normalized, in file order (bad ones were counted then)."""
+    for item in _renamed(path, name, spec, tolerant, limit):
+        if isinstance(item, Problem):
+            continue
+        try:
+            data = normalize_record(fmt, item.data)
+        except ValueError as exc:
+            if tolerant:
+                continue
+            raise record_error(name, item, str(exc)) from None      # the file changed since the scan
+        yield Record(data, item.row, item.line)
