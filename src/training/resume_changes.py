@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from ..config import bounded_yaml_load
 from ..distributed import current as current_ranks
 from ..errors import MudpuppyError
 from ..monitor.callbacks import Callback
@@ -213,8 +214,8 @@ def _settings_from_config_copy(out: Path, checkpoint: Path, echo) -> dict | None
     """A checkpoint written before checkpoints recorded their settings: the run's config.yaml is the best
     witness there is (its data files' content was not recorded)."""
     try:
-        old = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+        old = bounded_yaml_load((out / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, yaml.YAMLError):
         old = None
     if not isinstance(old, dict):
         echo(f"note: {checkpoint} does not record the settings it was trained with (written by an older "

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ..config import ModelConfig, resolve_relative
+from ..config import ModelConfig, bounded_yaml_load, resolve_relative
 from ..data import Example
 from ..data.render import as_messages, render_chat
 from ..data.templates import apply_chat_template_choice
@@ -39,7 +39,13 @@ class RewardModelFunction:
         chat_template = None
         run_config = self.path / "config.yaml"
         if run_config.is_file():
-            data = (yaml.safe_load(run_config.read_text(encoding="utf-8")) or {}).get("data", {})
+            try:        # the config of a folder the user points at: bounded like every YAML mudpuppy reads
+                raw = bounded_yaml_load(run_config.read_text(encoding="utf-8")) or {}
+            except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as exc:
+                raise MudpuppyError(f"reward model {self.path}: its config.yaml cannot be read "
+                                    f"({type(exc).__name__}); fix or remove it") from None
+            data = raw.get("data", {}) if isinstance(raw, dict) else {}
+            data = data if isinstance(data, dict) else {}
             chat_template, self.max_len = data.get("chat_template"), data.get("sequence_len", DEFAULT_MAX_LEN)
         self.handle = self.backend.load_model(ModelConfig(base_model=str(self.path)), "fp32",
                                               head="sequence_classification")

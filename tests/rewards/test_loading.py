@@ -219,3 +219,18 @@ def test_score_wraps_an_exception_inside_the_function(config_dir):
     assert msg.startswith("reward function oops raised at ") and "r.py:2" in msg
     assert msg.endswith("ZeroDivisionError: division by zero")
     assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_a_reward_model_folder_with_an_unreadable_config_yaml_is_one_message(tmp_path):
+    # The folder is the user's (reward_model: DIR): its config.yaml is read under the alias budget and a bad
+    # one is a MudpuppyError naming the folder, not a YAML traceback or minutes of alias expansion.
+    from mudpuppy.errors import MudpuppyError
+    from mudpuppy.training.reward_models import RewardModelFunction
+
+    (tmp_path / "config.json").write_text("{}")
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join('*' + chr(97 + i) for _ in range(10))}]\n" for i in range(7))
+    for text in (bomb + "data: {sequence_len: 64}\n", "data: [unclosed\n"):
+        (tmp_path / "config.yaml").write_text(text)
+        with pytest.raises(MudpuppyError, match="config.yaml cannot be read"):
+            RewardModelFunction(backend=None, path=tmp_path, batch_size=1).load()
