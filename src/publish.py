@@ -87,17 +87,16 @@ def _adopt_eval(folder: Path, record: dict) -> list[str]:
 
 @dataclass(frozen=True)
 class Kind:
-    key: str                                          # what it is called in messages: "export"
-    label: str                                        # "a mudpuppy export or merge"
+    label: str                                        # for messages: "a mudpuppy export or merge"
     record: str | None = None                         # its record file: the marker of its folder
     adopt: Callable[[Path, dict], list[str]] | None = None   # its names in a folder written before the contract
     shares: bool = False                              # may go into a folder holding other files
     fixed: tuple[str, ...] = ()                       # names it always writes: checked before any work
 
 
-EXPORT = Kind("export", "a mudpuppy export or merge", "export.json", _adopt_export)
-EVAL = Kind("eval", "an evaluation", "eval.json", _adopt_eval, shares=True, fixed=("eval.json", "eval.md"))
-ADAPTER = Kind("adapter", "a converted adapter")
+EXPORT = Kind("a mudpuppy export or merge", "export.json", _adopt_export)
+EVAL = Kind("an evaluation", "eval.json", _adopt_eval, shares=True, fixed=("eval.json", "eval.md"))
+ADAPTER = Kind("a converted adapter")
 KINDS = (EXPORT, EVAL)                                # those a folder inside a run may hold
 
 

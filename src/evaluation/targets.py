@@ -73,6 +73,9 @@ class Column:
     def load(self, backend, precision: str):
         """The model as trained: a QLoRA adapter's base is quantized the way training quantized it
         (deterministic), any other base is loaded at `precision`; then the adapter, if any."""
+        local = Path(self.cfg.model.base_model).expanduser()
+        if self.kind == "model" and (local / MODEL_CONFIG).is_file():
+            check_model_files(local)         # weights and a tokenizer there: a half-written folder named now
         qlora = self.cfg.adapter.type == "qlora" and (self.has_adapter or self.kind == "base")
         handle = backend.load_model(self.cfg.model, precision, adapter=self.cfg.adapter if qlora else None)
         if qlora:
@@ -209,7 +212,6 @@ def adapter_column(target: str, path: Path, base_model: str | None, chat_templat
 def model_column(target: str, model: str, chat_template: str | None) -> Column:
     config = Path(model) / MODEL_CONFIG
     if config.is_file():
-        check_model_files(Path(model))        # weights and tokenizer there: a half-written folder named now
         heads = [a for a in read_json_object(config).get("architectures") or []
                  if a.endswith(SCORE_HEADS)]
         if heads:

@@ -41,7 +41,7 @@ ALWAYS = frozenset({"config.yaml", "metrics.jsonl", "run_summary.json", "checkpo
 # The run's layout: every top-level name a run of some method writes (its final save's model files aside,
 # publish.MODEL_FILES and ADAPTER_FILES). What a run from before markers is adopted for, and nothing else.
 LAYOUT = ALWAYS | {"README.md", "loss.png", "reward.png", "margins.png", "accuracy.png", "tensorboard", "mlruns",
-                   "wandb", "merged", "trained", "adapter", "ptq_baseline.json", "qat-branch-point"}
+                   "wandb", "merged", "trained", "adapter", "mlx", "ptq_baseline.json", "qat-branch-point"}
 
 
 class RunDirInUse(OutputExists):
