@@ -243,9 +243,9 @@ class Writing:
         ours = set(self.earlier) | ({record} if self.has_record else set())
         clash = [n for n in names if os.path.lexists(target / n) and n not in ours]
         if clash:
-            raise OutputExists(f"{self.what} {self.shown}: {', '.join(clash)} appeared there while mudpuppy wrote, "
-                               "and mudpuppy did not write it; nothing was replaced. Move it, or choose another "
-                               f"{self.what}, and run again")
+            raise OutputExists(f"{self.what} {self.shown} holds {', '.join(clash)}, which mudpuppy did not write "
+                               f"and this output would replace; nothing was replaced. Move "
+                               f"{'it' if len(clash) == 1 else 'them'} or choose another {self.what}, and run again")
         if record:          # listed before they arrive: a kill between two renames leaves every name claimed
             stamp(target, self.kind, ours | set(names), complete=False)
         for name in [n for n in names if n != record]:
