@@ -1,0 +1,158 @@
+"""Data at size: `mudpuppy preprocess` against `datasets` + `apply_chat_template`, side by side.
+
+    .venv/bin/python benchmarks/data_scale.py --sizes 10000,100000 [--num-proc 2] [--out results/data_scale.json]
+
+For each size a seeded generator writes chats of realistic length (a system
+prompt, a question and an answer of about 200 SmolLM2 tokens together) to a
+JSONL file; then, each in its own process, one after the other:
+
+- mudpuppy: `mudpuppy preprocess` on a config naming that file (the data cache
+  in a fresh folder, so it tokenizes: the token store is written to disk);
+- datasets, one process and `num_proc` processes: `load_dataset("json")`, then
+  `map(apply_chat_template, batched=True)` on the same tokenizer (its Arrow
+  cache in a fresh folder: written to disk too). It makes no loss masks, which
+  mudpuppy does (a second render of each assistant turn), so it does less work.
+
+Peak RSS is the child's `ru_maxrss` (RUSAGE_CHILDREN): the largest single
+process of that side, its workers included, not their sum. Examples/s is
+records over the child's wall time, start-up (imports, tokenizer) included.
+The tokenizer is SmolLM2-135M-Instruct's (`smollm2-135m-instruct`, cached by
+mudpuppy). Run it on a quiet machine, or say what else was running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+WORDS = ("the a light door lock kitchen garage window thermostat schedule evening morning please turn set "
+         "check open close warm cool degrees minutes later tomorrow front back upstairs downstairs sensor battery "
+         "camera motion alert notify music volume play pause skip timer alarm reminder groceries list add remove "
+         "bread milk coffee weather forecast rain sunny wind calendar meeting call message family guest").split()
+
+
+def sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+
+
+def write_chats(path: Path, count: int, seed: int = 0) -> None:
+    """`count` chats of about 200 tokens: a system line, a question, a three-to-five sentence answer."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            answer = " ".join(sentence(rng, rng.randint(14, 26)) for _ in range(rng.randint(3, 5)))
+            messages = [{"role": "system", "content": "You run the house. Answer in full sentences."},
+                        {"role": "user", "content": sentence(rng, rng.randint(8, 20)).rstrip(".") + "?"},
+                        {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+
+
+DATASETS_SIDE = """
+import sys, time
+from datasets import load_dataset
+from transformers import AutoTokenizer
+path, model, cache, num_proc = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+tok = AutoTokenizer.from_pretrained(model)
+ds = load_dataset("json", data_files=path, split="train", cache_dir=cache)
+ds = ds.map(lambda b: {"input_ids": tok.apply_chat_template(b["messages"], tokenize=True, return_dict=False)},
+            batched=True, num_proc=None if num_proc == 1 else num_proc, remove_columns=["messages"])
+print(len(ds), sum(len(x) for x in ds["input_ids"][:1000]))
+"""
+
+
+def run_child(argv: list[str], env: dict | None = None) -> dict:
+    """Wall seconds and peak RSS (MB) of one child process (and its descendants' largest)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{argv[:3]} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # ru_maxrss of children is the largest so far: a smaller child than an earlier one reads as the same.
+    return {"seconds": seconds, "peak_rss_mb": peak / 1024, "grew": peak > before, "stdout": done.stdout[-400:]}
+
+
+def mudpuppy_side(data: Path, work: Path, num_proc: int) -> dict:
+    import yaml
+
+    cfg = {"model": {"base_model": "smollm2-135m-instruct"}, "method": "sft",
+           "data": {"datasets": [{"path": str(data)}], "sequence_len": 1024,
+                    "cache_dir": str(work / f"mp-cache-{num_proc}")},
+           "output_dir": str(work / "out")}
+    cfg["data"]["num_proc"] = num_proc
+    path = work / f"cfg-{num_proc}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return run_child([PYTHON, "-m", "mudpuppy.cli", "preprocess", str(path), "--samples", "0"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10000,100000")
+    parser.add_argument("--num-proc", type=int, default=None, help="mudpuppy's data.num_proc and datasets' "
+                        "num_proc (default: the cores this process may use)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from mudpuppy.backends.models import resolve_model
+
+    cores = args.num_proc or len(os.sched_getaffinity(0))
+    model = str(resolve_model("smollm2-135m-instruct").path)
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        # Largest first would hide the smaller ones' peaks (ru_maxrss is a running maximum): each size and
+        # side gets its own fresh interpreter that runs just that child.
+        with tempfile.TemporaryDirectory(prefix="data-scale-", dir=ROOT / "build") as tmp:
+            work = Path(tmp)
+            data = work / "chats.jsonl"
+            write_chats(data, size)
+            sides = {"mudpuppy preprocess, 1 process": [PYTHON, __file__, "--_child", "mudpuppy", str(data), str(work), "1"],
+                     f"mudpuppy preprocess, num_proc={cores}": [PYTHON, __file__, "--_child", "mudpuppy", str(data),
+                                                                str(work), str(cores)],
+                     "datasets map, 1 process": [PYTHON, __file__, "--_child", "datasets", str(data), str(work), "1"],
+                     f"datasets map, num_proc={cores}": [PYTHON, __file__, "--_child", "datasets", str(data),
+                                                          str(work), str(cores)]}
+            for name, argv in sides.items():
+                done = subprocess.run(argv, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                row = {"size": size, "side": name, "mb": data.stat().st_size / 1e6, **result,
+                       "examples_per_s": size / result["seconds"]}
+                rows.append(row)
+                print(f"{size:>9,}  {name:<28} {row['seconds']:8.1f} s  {row['examples_per_s']:8.0f} ex/s  "
+                      f"peak RSS {row['peak_rss_mb']:7.0f} MB", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"model": model, "cores": cores, "load": os.getloadavg(), "rows": rows}, indent=1))
+
+
+def child() -> None:
+    """One side in a fresh interpreter: its own RUSAGE_CHILDREN starts at zero."""
+    kind, data, work, procs = sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5])
+    sys.path.insert(0, str(ROOT))
+    if kind == "mudpuppy":
+        result = mudpuppy_side(data, work, procs)
+    else:
+        from mudpuppy.backends.models import resolve_model
+
+        model = str(resolve_model("smollm2-135m-instruct").path)
+        cache = tempfile.mkdtemp(dir=work)
+        result = run_child([PYTHON, "-c", DATASETS_SIDE, str(data), model, cache, str(procs)])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--_child":
+        child()
+    else:
+        main()
