@@ -37,25 +37,17 @@ import time
 from collections import Counter
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_load  # noqa: E402  (beside this file: its server start is shared)
+
 REPO = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "Turn on the kitchen light."}]
 
 
 def start_server(model: str, log, *flags: str) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "mudpuppy", "serve", model, "--host", "127.0.0.1", "--port", "0",
-           "--temperature", "0", "--backend", "cpu", *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        found = re.search(r"at http://\S+:(\d+)/v1", line)
-        if found:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()    # keep the pipe drained
-            return proc, int(found.group(1))
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise SystemExit("the server did not start")
+    """serve_load's server on the CPU backend; (process, its port)."""
+    proc, url = serve_load.start_server(log, "--backend", "cpu", *flags, model=model)
+    return proc, int(re.search(r":(\d+)/v1", url).group(1))
 
 
 def peak_rss_mb(pid: int) -> float:

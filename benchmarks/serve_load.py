@@ -46,9 +46,10 @@ PROMPTS = [
 ]
 
 
-def start_server(precision: str, log) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "mudpuppy", "serve", MODEL, "--host", "127.0.0.1", "--port", "0",
-           "--temperature", "0", "--precision", precision]
+def start_server(log, *flags: str, model: str = MODEL) -> tuple[subprocess.Popen, str]:
+    """`mudpuppy serve MODEL` on a free loopback port with greedy decoding; (process, its /v1 URL)."""
+    cmd = [sys.executable, "-m", "mudpuppy", "serve", model, "--host", "127.0.0.1", "--port", "0",
+           "--temperature", "0", *flags]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -133,7 +134,7 @@ def main() -> None:
     cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
     print(f"{cpu or 'CPU: unknown'}; {os.cpu_count()} cores; precision {args.precision}")
     log = tempfile.TemporaryFile("w+")       # the server's log, shown when it exits badly
-    proc, url = start_server(args.precision, log)
+    proc, url = start_server(log, "--precision", args.precision)
     try:
         client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         for prompt in PROMPTS[:2]:                       # warm-up: first calls allocate and tune

@@ -155,7 +155,7 @@ def test_connections_beyond_the_pool_get_a_503_with_retry_after(nonstop):
 @pytest.mark.parametrize("pool", [128, 6])
 def test_concurrent_clients_get_an_answer_or_a_503_never_a_reset(nonstop, pool):
     """24 clients, a new connection per request, for 4 s: each connection is answered 200 or (beyond a
-    pool of 6) 503; none is reset or left unanswered. benchmarks/serve_load.py --flood runs 64 for 20 s."""
+    pool of 6) 503; none is reset or left unanswered. benchmarks/serve_flood.py runs 64 for 20 s."""
     srv = Server(nonstop, max_connections=pool, max_tokens=8)
     outcomes: list[str] = []
     lock = threading.Lock()

@@ -329,6 +329,18 @@ def test_a_same_size_damage_falls_back_to_the_previous_checkpoint(straight, tiny
     assert (kept / name).read_bytes() == (newest.parent.parent.parent / "undigested" / name).read_bytes()
 
 
+def plant_loadable_wrong_state(ckpt):
+    """A checkpoint as one written before digests, whose trainer.pt is a well-formed torch file that is not a
+    trainer's state: it passes every check before loading."""
+    import torch
+
+    torch.save({"something": torch.zeros(3)}, ckpt / "trainer.pt")
+    marker = json.loads((ckpt / checkpoints.MARKER).read_text())
+    del marker[checkpoints.DIGESTS]
+    marker["files"]["trainer.pt"] = (ckpt / "trainer.pt").stat().st_size
+    (ckpt / checkpoints.MARKER).write_text(json.dumps(marker))
+
+
 def test_damage_that_shows_only_while_loading_falls_back_too(straight, tiny_model_dir, tmp_path, capfd):
     """A checkpoint written before the marker held digests, whose trainer.pt is a well-formed torch file that
     is not a trainer's state: it passes every check, and fails to load."""
@@ -336,11 +348,7 @@ def test_damage_that_shows_only_while_loading_falls_back_too(straight, tiny_mode
 
     out, data = stopped_at(straight, tmp_path, 2 * K)
     newest = out / "checkpoints" / f"step-{2 * K:08d}"
-    torch.save({"something": torch.zeros(3)}, newest / "trainer.pt")
-    marker = json.loads((newest / checkpoints.MARKER).read_text())
-    del marker[checkpoints.DIGESTS]
-    marker["files"]["trainer.pt"] = (newest / "trainer.pt").stat().st_size
-    (newest / checkpoints.MARKER).write_text(json.dumps(marker))
+    plant_loadable_wrong_state(newest)
     assert checkpoints.checkpoint_problem(newest) is None
 
     said = []
@@ -356,15 +364,9 @@ def test_damage_that_shows_only_while_loading_falls_back_too(straight, tiny_mode
 
 
 def test_a_damaged_checkpoint_with_nothing_older_ends_in_one_message(straight, tiny_model_dir, tmp_path):
-    import torch
-
     out, data = stopped_at(straight, tmp_path, K)
     ckpt = out / "checkpoints" / f"step-{K:08d}"
-    torch.save({"something": torch.zeros(3)}, ckpt / "trainer.pt")
-    marker = json.loads((ckpt / checkpoints.MARKER).read_text())
-    del marker[checkpoints.DIGESTS]
-    marker["files"]["trainer.pt"] = (ckpt / "trainer.pt").stat().st_size
-    (ckpt / checkpoints.MARKER).write_text(json.dumps(marker))
+    plant_loadable_wrong_state(ckpt)
     with pytest.raises(MudpuppyError, match=f"cannot resume from {ckpt}: it did not load .*no older checkpoint reads"):
         run(load_config(resume_cfg(tiny_model_dir, out, data)), create_backend("cpu"), **QUIET)
     assert (ckpt / "trainer.pt").is_file()                          # kept as it is
