@@ -218,7 +218,7 @@ KINDS = {
                 "eval.before_training", "eval.after_training", "eval.batch_size", "training.save_steps",
                 "training.keep_last_n", "training.eval_steps", "training.gradient_checkpointing",
                 "training.compile", "merge", "merge_dtype", "backend", "devices", "memory.optimizer_offload",
-                "memory.stream_layers", "data.cache", "data.cache_dir", "data.val_datasets.0.path",
+                "memory.stream_layers", "data.cache", "data.cache_dir", "data.num_proc", "data.val_datasets.0.path",
                 "data.val_datasets.0.content", "distributed.strategy", "distributed.timeout_s",
                 "grpo.log_completions", "model.trust_remote_code"],
     "fixed": ["model.base_model", "method", "adapter.r", "adapter.alpha", "adapter.type", "adapter.target_modules",
