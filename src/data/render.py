@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import DataError
+from .chat_render import ConversationRenderer, apply_template, template_message
 from .tools import BUILTIN_TOOL_FORMATS, RecordError, to_builtin_format
 
 ALPACA_WITH_INPUT = (
@@ -64,19 +65,7 @@ class Rendered:
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
                 tools: list[dict] | None = None) -> str:
-    clean = [template_message(m) for m in messages]
-    return tokenizer.apply_chat_template(clean, tools=tools or None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-
-
-def template_message(m: dict) -> dict:
-    """What a chat template sees of a message: role and content, and the tool parts when present
-    (templates test ``'tool_calls' in message``, so the key is left out when there are none)."""
-    out = {"role": m["role"], "content": m["content"]}
-    for key in ("tool_calls", "name", "tool_call_id", "parts"):   # parts: images, for vision.VisionTokenizer
-        if m.get(key):
-            out[key] = m[key]
-    return out
+    return apply_template(tokenizer, [template_message(m) for m in messages], add_generation_prompt, tools)
 
 
 def render_conversation(tokenizer, messages: list[dict], trained: list[bool], tools: list[dict] | None = None,
@@ -92,15 +81,16 @@ def render_conversation(tokenizer, messages: list[dict], trained: list[bool], to
     if tool_format in BUILTIN_TOOL_FORMATS:
         messages, trained, origin = to_builtin_format(tool_format, messages, trained, tools)
         tools = None
-    full = render_chat(tokenizer, messages, tools=tools)
+    chat = ConversationRenderer(tokenizer, messages, tools)
+    full = chat.prefix(len(messages))
     check_nothing_vanishes(full, messages, origin)
     spans: list[tuple[int, int, str]] = []
     for i, msg in enumerate(messages):
         if not trained[i]:
             continue
         assistant = msg["role"] == "assistant"
-        before = render_chat(tokenizer, messages[:i], add_generation_prompt=assistant, tools=tools) if i else ""
-        upto = render_chat(tokenizer, messages[: i + 1], tools=tools)
+        before = chat.prefix(i, add_generation_prompt=assistant) if i else ""
+        upto = chat.prefix(i + 1)
         if not full.startswith(upto) or not upto.startswith(before):
             raise DataError(
                 "chat template", None,
@@ -108,9 +98,9 @@ def render_conversation(tokenizer, messages: list[dict], trained: list[bool], to
                 "(some templates rewrite earlier turns), so loss masks cannot be derived from it; "
                 "set data.chat_template to a built-in template such as chatml")
         if msg.get("tool_calls"):
-            spans += call_turn_spans(tokenizer, messages, i, full, len(before), len(upto), tools, origin[i])
+            spans += call_turn_spans(chat, messages, i, full, len(before), len(upto), origin[i])
             continue
-        frame = turn_frame(tokenizer, messages, i, len(before), tools)
+        frame = turn_frame(chat, messages, i, len(before))
         spans += turn_spans(full, len(before), len(upto), msg["content"], frame, after_prompt=assistant)
     return Rendered(full, spans)
 
@@ -135,12 +125,12 @@ def check_nothing_vanishes(full: str, messages: list[dict], origin: list[int | N
                                   "set tool_format: hermes or llama3 to write calls in a built-in format")
 
 
-def call_turn_spans(tokenizer, messages: list[dict], i: int, full: str, lo: int, hi: int,
-                    tools: list[dict] | None, at: int | None) -> list[tuple[int, int, str]]:
+def call_turn_spans(chat: ConversationRenderer, messages: list[dict], i: int, full: str, lo: int, hi: int,
+                    at: int | None) -> list[tuple[int, int, str]]:
     """Spans of an assistant turn the template renders with its tool calls: everything the turn
     writes after the generation prompt is content, up to the marker that closes a plain
     assistant turn (learnt by rendering one with a placeholder), which is the eos span."""
-    probe = render_chat(tokenizer, messages[:i] + [{"role": "assistant", "content": SENTINEL}], tools=tools)
+    probe = chat.probe(i, {"role": "assistant", "content": SENTINEL})
     pos = probe.find(SENTINEL)
     marker = probe[pos + len(SENTINEL):].rstrip() if pos >= lo else ""
     end = lo + len(full[lo:hi].rstrip())
@@ -161,11 +151,10 @@ def call_turn_spans(tokenizer, messages: list[dict], i: int, full: str, lo: int,
 SENTINEL = "\ue000\ue001"
 
 
-def turn_frame(tokenizer, messages: list[dict], i: int, lo: int,
-               tools: list[dict] | None = None) -> tuple[str, str] | None:
+def turn_frame(chat: ConversationRenderer, messages: list[dict], i: int, lo: int) -> tuple[str, str] | None:
     """(what the template writes before turn i's content, what after), learnt by rendering
     the turn with a sentinel as its content; None when the template hides it."""
-    probe = render_chat(tokenizer, messages[:i] + [{**messages[i], "content": SENTINEL}], tools=tools)
+    probe = chat.probe(i, {**messages[i], "content": SENTINEL})
     at = probe.find(SENTINEL)
     if at < lo:
         return None

@@ -1,0 +1,114 @@
+"""One conversation's prefixes through the chat template, each rendered once and cheaply.
+
+Loss masks come from rendering a conversation several times (the whole, and
+the prefixes and probes around each trained turn: see `render.py`). Through
+transformers' `apply_chat_template` each of those calls spends as long
+preparing the messages (dropping None keys, rebuilding every value from plain
+JSON types, aliasing reasoning fields, reading the special tokens, looking the
+compiled template up) as Jinja spends rendering. For messages that are
+already plain JSON types with no None key and no reasoning field (what a
+JSON, CSV or Parquet record gives), that preparation returns its input
+unchanged, so `ConversationRenderer` checks that once per conversation and
+then calls the same compiled template with the same arguments: the same text,
+character for character (tests compare it with `apply_chat_template` on
+every template in the test data). Anything else (other tokenizer classes,
+the vision wrapper, unusual values) goes through `apply_chat_template`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def template_message(m: dict) -> dict:
+    """What a chat template sees of a message: role and content, and the tool parts when present
+    (templates test ``'tool_calls' in message``, so the key is left out when there are none)."""
+    out = {"role": m["role"], "content": m["content"]}
+    for key in ("tool_calls", "name", "tool_call_id", "parts"):   # parts: images, for vision.VisionTokenizer
+        if m.get(key):
+            out[key] = m[key]
+    return out
+
+
+def apply_template(tokenizer, clean: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+    return tokenizer.apply_chat_template(clean, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+class ConversationRenderer:
+    """Renders prefixes of one conversation (`prefix`) and a prefix plus one other message (`probe`).
+
+    A prefix is rendered at most once per (length, generation prompt): the last trained turn's
+    "rendered up to here" is the whole conversation, which is rendered anyway."""
+
+    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools or None
+        self.clean = [template_message(m) for m in messages]
+        self._direct = direct_renderer(tokenizer, self.clean, self.tools)
+        self._memo: dict[tuple[int, bool], str] = {}
+
+    def prefix(self, n: int, add_generation_prompt: bool = False) -> str:
+        """The first `n` messages rendered."""
+        key = (n, add_generation_prompt)
+        if key not in self._memo:
+            self._memo[key] = self.render(self.clean[:n], add_generation_prompt)
+        return self._memo[key]
+
+    def probe(self, n: int, message: dict) -> str:
+        """The first `n` messages and then `message` (say, a turn with a sentinel for its content)."""
+        extra = template_message(message)
+        return self.render(self.clean[:n] + [extra], False, plain=is_plain(extra))
+
+    def render(self, clean: list[dict], add_generation_prompt: bool, plain: bool = True) -> str:
+        # An empty conversation goes to apply_chat_template, which refuses it in its own words.
+        if self._direct is not None and clean and plain:
+            return self._direct(clean, add_generation_prompt)
+        return apply_template(self.tokenizer, clean, add_generation_prompt, self.tools)
+
+
+def direct_renderer(tokenizer, clean: list[dict], tools: list[dict] | None) -> Callable | None:
+    """(messages, add_generation_prompt) -> what `apply_chat_template(tokenize=False)` returns for
+    these messages' prefixes and these tools; None where that cannot be promised."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+        from transformers.utils import chat_template_utils as ctu
+    except ImportError:
+        return None
+    base = PreTrainedTokenizerBase
+    if not isinstance(tokenizer, base) or not _unchanged(type(tokenizer), base) \
+            or not hasattr(ctu, "_compile_jinja_template") or not hasattr(ctu, "_plain_template_data"):
+        return None
+    reasoning = getattr(ctu, "_REASONING_FIELDS", ("reasoning_content", "thinking", "reasoning"))
+    if not is_plain(clean) or not is_plain(tools) or any(v is None or k in reasoning
+                                                         for m in clean for k, v in m.items()):
+        return None
+    if tools is not None and not all(type(t) is dict for t in tools):
+        return None
+    try:
+        compiled = ctu._compile_jinja_template(tokenizer.get_chat_template(None, tools))
+    except (ValueError, TypeError, ImportError):      # no or several templates: apply_chat_template says so
+        return None
+    kwargs = ctu._plain_template_data(dict(tokenizer.special_tokens_map))
+
+    def render(messages: list[dict], add_generation_prompt: bool) -> str:
+        return compiled.render(messages=messages, tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt, **kwargs)
+    return render
+
+
+def _unchanged(cls, base) -> bool:
+    """The tokenizer class renders as the base class does (a subclass could prepare messages its own way)."""
+    return all(getattr(cls, name) is getattr(base, name) for name in ("apply_chat_template", "get_chat_template"))
+
+
+def is_plain(value) -> bool:
+    """Built of exactly dict (str keys), list, str, int, float, bool and None: what transformers'
+    `_plain_template_data` returns unchanged."""
+    kind = type(value)
+    if value is None or kind in (str, int, float, bool):
+        return True
+    if kind is dict:
+        return all(type(k) is str and is_plain(v) for k, v in value.items())
+    if kind is list:
+        return all(is_plain(v) for v in value)
+    return False
