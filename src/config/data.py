@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from .base import _Strict, outside_check
 
@@ -48,6 +48,17 @@ class DatasetSpec(_Strict):
                             "format (hermes, llama3), or the template when it renders tool calls, else built-in (auto)")
     num_samples: int | None = Field(None, gt=0, description="use the first N records")
     weight: float | None = Field(None, gt=0, description="scale this dataset's share of training examples")
+    ratio: float | None = Field(None, gt=0, le=1, description="this dataset's target share of the training mix "
+                                                               "(every dataset then has one; they add up to 1)")
+
+    @model_serializer(mode="wrap")
+    def _unset_ratio_left_out(self, handler):
+        # A run checkpointed before `ratio` existed records no such key for its datasets; --resume reads a key
+        # one side lacks inside a list as a change (resume_changes.compare): an unset ratio stays out of dumps.
+        dumped = handler(self)
+        if isinstance(dumped, dict) and dumped.get("ratio") is None:
+            dumped.pop("ratio", None)
+        return dumped
 
 
 class DataConfig(_Strict):
@@ -86,9 +97,39 @@ class DataConfig(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _ratios_make_one_mix(self):
+        problems = ratio_problems(self.datasets, self.val_datasets)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _budget_fits_a_sequence(self):
         if self.tokens_per_batch is not None and self.tokens_per_batch < self.sequence_len:
             raise ValueError(f"tokens_per_batch ({self.tokens_per_batch}) must be at least sequence_len "
                              f"({self.sequence_len}), or the longest examples fit in no batch")
         return self
 
+
+
+def ratio_problems(datasets: list[DatasetSpec], val_datasets: list[DatasetSpec]) -> list[str]:
+    """`ratio` is each training dataset's share of one mix: all of them have one, adding up to 1, and no
+    dataset scales its share with `weight` besides (two ways of saying the same thing would disagree)."""
+    held = [f"val_datasets[{i}]" for i, s in enumerate(val_datasets) if s.ratio is not None]
+    if held:
+        return [f"{', '.join(held)}: ratio mixes training data; held-out datasets are used whole, drop their ratio"]
+    with_ratio = [i for i, s in enumerate(datasets) if s.ratio is not None]
+    if not with_ratio:
+        return []
+    weighted = [i for i, s in enumerate(datasets) if s.weight is not None]
+    if weighted:
+        return [f"ratio (datasets[{with_ratio[0]}]) and weight (datasets[{weighted[0]}]) are exclusive in one config: "
+                "give every dataset a ratio (its share of the mix), or scale datasets with weight alone"]
+    missing = [f"datasets[{i}]" for i, s in enumerate(datasets) if s.ratio is None]
+    if missing:
+        return [f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no ratio: when one dataset sets "
+                "its share of the mix with ratio, every training dataset needs one"]
+    total = sum(s.ratio for s in datasets)
+    if abs(total - 1) > 1e-6:
+        return [f"the datasets' ratios add up to {total:g}; they are shares of the training mix and must add up to 1"]
+    return []

@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 DAMAGE = (OSError, ValueError, KeyError, IndexError, TypeError, EOFError, zipfile.BadZipFile, zlib.error)
 
 # Bump when tokenization or the entry layout changes: older entries are then ignored.
-CACHE_VERSION = 3   # 2: rl examples keep their prompt among the fields; 3: SFT data as a token store
+CACHE_VERSION = 4   # 2: rl examples keep their prompt among the fields; 3: SFT data as a token store;
+#                     4: the report carries the realised training mix
 
 # DataConfig fields that only affect batching, not tokens: they stay out of the key.
 BATCHING_ONLY = ("packing", "tokens_per_batch", "group_by_length", "shuffle", "cache", "cache_dir", "num_proc")

@@ -2,7 +2,7 @@
 
     records (in chunks of CHUNK)  ->  render + tokenize + fit to length (data.num_proc workers)
                                   ->  appended to the store, in file order
-    store  ->  validation split, dataset weights: index arrays  ->  StoreViews for training
+    store  ->  validation split, dataset weights or ratios: index arrays  ->  StoreViews for training
 
 The tokens and masks are those `prepare.tokenize_all` makes (a test compares
 them on every format and template in the test data); only where they live
@@ -24,12 +24,15 @@ from ..errors import DataError
 from . import cache
 from .prepared import SKIPPED_SHOWN, DataReport, LoadedData, LoadedDataset, PreparedData, fit_length, \
     record_for_eval, render_options
-from .store import StoreWriter, TokenStore
+from .store import StoreView, StoreWriter, TokenStore
 from .templates import require_chat_template
 from .tokenize import needs_template, tokenize_records, tool_format_for
 from .tools import uses_tools
 from .workers import available_cores, ordered_map
 
+# Stores this process has tokenized: a distributed run's report counts them per rank (shared.py), so a rank
+# that tokenized when it should only have mapped shows.
+BUILT = [0]
 CHUNK = 512    # records per job: the tokenizer's batch size, and small enough to keep a worker's memory flat
 
 
@@ -112,8 +115,7 @@ def select(cfg, store: TokenStore, loaded: LoadedData, report: DataReport) -> tu
                         f"({report.dropped_too_long} too long, {report.dropped_no_target} with no trained tokens)")
     if cfg.data.val_set_size and not loaded.val:
         train, val = split_indices(train, cfg.data.val_set_size, cfg.training.seed)
-    weights = [ds.spec.weight for ds in loaded.train]
-    return weight_indices(train, origin[train], weights, cfg.training.seed), val
+    return mix_indices(train, origin[train], [ds.spec for ds in loaded.train], cfg.training.seed), val
 
 
 def split_indices(train: np.ndarray, size: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,8 +129,42 @@ def split_indices(train: np.ndarray, size: float, seed: int) -> tuple[np.ndarray
     return train[~held], train[held]
 
 
+def mix_indices(train: np.ndarray, origin: np.ndarray, specs: list, seed: int) -> np.ndarray:
+    """The training mix on indices: the datasets' `ratio`s where they set them, else their `weight`s."""
+    if any(getattr(s, "ratio", None) is not None for s in specs):
+        return ratio_indices(train, origin, [s.ratio for s in specs], seed)
+    return weight_indices(train, origin, [s.weight for s in specs], seed)
+
+
+def ratio_counts(ratios: list[float], total: int) -> list[int]:
+    """Examples per dataset for `total` in all: each ratio * total rounded by largest remainder, so they add up
+    to `total` and each is within one example of its exact share."""
+    exact = np.asarray(ratios, dtype=np.float64) / sum(ratios) * total
+    counts = np.floor(exact).astype(np.int64)
+    order = sorted(range(len(ratios)), key=lambda d: (-(exact[d] - counts[d]), d))
+    for d in order[: total - int(counts.sum())]:
+        counts[d] += 1
+    return counts.tolist()
+
+
+def ratio_indices(train: np.ndarray, origin: np.ndarray, ratios: list[float], seed: int) -> np.ndarray:
+    """A mix of the training set's size in which dataset d holds ratio[d] of the examples: a dataset short of
+    its share is repeated whole and topped up with a seeded draw, a larger one sampled down (seeded)."""
+    out = []
+    for d, want in enumerate(ratio_counts(ratios, len(train))):
+        mine = train[origin == d]
+        if not len(mine):
+            # Named by position: the dataset's examples were all dropped or held out, so no ratio can be met.
+            raise DataError(f"data.datasets[{d}]", None, f"ratio {ratios[d]:g} asks for {want} examples, but none "
+                            "of this dataset's are left after length filtering and the validation split")
+        whole, rest = divmod(want, len(mine))
+        extra = np.random.default_rng([seed, d]).choice(len(mine), rest, replace=False)
+        out += [np.tile(mine, whole), mine[np.sort(extra)]]
+    return np.concatenate(out)
+
+
 def weight_indices(train: np.ndarray, origin: np.ndarray, weights: list, seed: int) -> np.ndarray:
-    """Each dataset's share scaled: weight 2 repeats it twice, 0.5 keeps a seeded half (`apply_weights`)."""
+    """Each dataset's share scaled: weight 2 repeats it twice, 0.5 keeps a seeded half."""
     if all(w is None or w == 1 for w in weights):
         return train
     out = []
@@ -143,41 +179,67 @@ def weight_indices(train: np.ndarray, origin: np.ndarray, weights: list, seed: i
     return np.concatenate(out)
 
 
-def open_prepared(store: TokenStore, train: np.ndarray, val: np.ndarray, report: DataReport) -> PreparedData:
+def open_prepared(store: TokenStore, train: np.ndarray, val: np.ndarray, report: DataReport,
+                  specs: list) -> PreparedData:
     """The views training reads, and the report's totals, which need nothing but the index arrays."""
     train_view, val_view = store.view(train), store.view(val)
     report.train_examples, report.val_examples = len(train_view), len(val_view)
     report.loss_token_share = train_view.target_tokens() / max(train_view.total_tokens(), 1)
+    report.mix = realised_mix(train_view, specs)
     return PreparedData(train_view, val_view, val_view.records(), report)
 
 
+def realised_mix(train: StoreView, specs: list) -> list[dict]:
+    """Per training dataset, what the mix holds of it: examples, tokens, trained (loss-carrying) tokens,
+    and its share of the examples and of the trained tokens, beside the ratio or weight asked."""
+    origin = train.datasets()
+    tokens = np.bincount(origin, weights=train.lengths, minlength=len(specs))
+    targets = np.asarray(train.store.arrays["targets"])[train.index]
+    trained = np.bincount(origin, weights=targets, minlength=len(specs))
+    examples = np.bincount(origin, minlength=len(specs))
+    mix = []
+    for d, spec in enumerate(specs):
+        mix.append({"dataset": spec.path, "examples": int(examples[d]), "tokens": int(tokens[d]),
+                    "trained_tokens": int(trained[d]), "example_share": float(examples[d] / max(len(train), 1)),
+                    "trained_share": float(trained[d] / max(trained.sum(), 1)),
+                    "ratio": spec.ratio, "weight": spec.weight})
+    return mix
+
+
 def prepare_store(cfg, tokenizer, loaded: LoadedData, has_template: bool, key: str | None, root: Path,
-                  write_cache: bool, warnings: list[str]) -> PreparedData:
-    """Tokenized SFT data in a store: a new cache entry under `key` with `write_cache`, else a scratch
-    folder whose names are removed as soon as the maps are open."""
+                  write_cache: bool, warnings: list[str], keep_scratch: bool = False) -> tuple[PreparedData, Path]:
+    """Tokenized SFT data in a store, and the folder holding it: a new cache entry under `key` with
+    `write_cache`, else a scratch folder whose names are removed as soon as the maps are open, or, with
+    `keep_scratch` (other ranks map it too: shared.py), written out whole and left for the caller to remove."""
     if key is not None and write_cache:
         with cache.staged_entry(root, key) as folder:
             prepared, meta, train, val = _build(cfg, tokenizer, loaded, has_template, folder, warnings)
             prepared.report.cache, prepared.report.cache_path = "written", str(root / key)
             cache.finish_store_entry(folder, key, meta, train, val, prepared)
-        return prepared
+        return prepared, root / key
     scratch = root / ".scratch"
     scratch.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="store-", dir=scratch))
     try:
-        prepared = _build(cfg, tokenizer, loaded, has_template, folder, warnings)[0]
-    finally:
+        prepared, meta, train, val = _build(cfg, tokenizer, loaded, has_template, folder, warnings)
+        prepared.report.cache = "fresh" if key is not None else "off"
+        if keep_scratch:
+            cache.finish_store_entry(folder, key or "scratch", meta, train, val, prepared)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    if not keep_scratch:
         # An open map keeps its file's data after the name is gone (POSIX): nothing is left on disk, even
         # when the run is killed later. (Windows refuses to remove a mapped file: ignore_errors.)
         shutil.rmtree(folder, ignore_errors=True)
-    prepared.report.cache = "fresh" if key is not None else "off"
-    return prepared
+    return prepared, folder
 
 
 def _build(cfg, tokenizer, loaded: LoadedData, has_template: bool, folder: Path, warnings: list[str]):
+    BUILT[0] += 1
     meta, report = build_store(cfg, tokenizer, loaded, has_template, folder)
     store = TokenStore(folder, meta)
     train, val = select(cfg, store, loaded, report)
-    prepared = open_prepared(store, train, val, report)
+    prepared = open_prepared(store, train, val, report, [ds.spec for ds in loaded.train])
     prepared.report.warnings += warnings
     return prepared, meta, train, val

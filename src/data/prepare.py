@@ -29,7 +29,9 @@ from .tools import uses_tools
 from .tokenizers import load_text_tokenizer
 from .vision import is_vision_model, is_vision_tokenizer, load_vision_tokenizer, vision_problems
 from .images import resolve_images
-from .pipeline import prepare_store
+from ..distributed import current as current_ranks
+from .pipeline import mix_indices, prepare_store
+from .shared import prepare_shared
 from .stream import reread, scan, streamable
 
 # --------------------------------------------------------------------------- stage 1: records
@@ -117,23 +119,6 @@ def split_validation(train: list, records: list[dict], origin: list[int], size: 
             [train[i] for i in val_idx], [records[i] for i in val_idx])
 
 
-def apply_weights(train: list, origin: list[int], weights: list[float | None], seed: int) -> list:
-    """Scale each dataset's share: weight 2 repeats it twice, 0.5 keeps a seeded half."""
-    if all(w is None or w == 1 for w in weights):
-        return train
-    out = []
-    for d, weight in enumerate(weights):
-        mine = [ex for ex, o in zip(train, origin) if o == d]
-        if weight is None or weight == 1 or not mine:
-            out += mine
-            continue
-        target = round(weight * len(mine))
-        whole, rest = divmod(target, len(mine))
-        extra = np.random.default_rng([seed, d]).choice(len(mine), rest, replace=False)
-        out += mine * whole + [mine[i] for i in sorted(extra.tolist())]
-    return out
-
-
 def load_tokenizer(model_cfg, model_dir: Path | str):
     """The tokenizer training will tokenize with, loaded without the model (`mudpuppy preprocess`).
 
@@ -169,18 +154,22 @@ def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: st
         use_cache = False
     key = cache.cache_key(cfg, method or cfg.data_method(), loaded.fingerprints(), tokenizer) if use_cache else None
     root = cache.cache_root(cfg)
-    if key is not None and not refresh:
-        hit = cache.read_entry(root, key)
-        if hit is not None:
-            train, val, val_records, report_dict, created = hit
-            report = DataReport(**report_dict)
-            report.cache, report.cache_path, report.cache_created = "reused", str(root / key), created
-            return PreparedData(train, val, val_records, report)
-
     warnings = template_warnings(tokenizer, cfg.data.chat_template)
     if (method or cfg.data_method()) == "sft" and not is_vision_tokenizer(tokenizer):
-        # SFT examples go to a memory-mapped token store (pipeline.py): flat memory at any data size.
-        return prepare_store(cfg, tokenizer, loaded, template is not None, key, root, write_cache, warnings)
+        # SFT examples go to a memory-mapped token store (pipeline.py): flat memory at any data size; in a
+        # distributed run one rank per machine reads or writes it and every rank maps it (shared.py).
+        def here():
+            hit = None if key is None or refresh else reuse_entry(root, key)
+            if hit is not None:
+                return hit, root / key, False
+            prepared, folder = prepare_store(cfg, tokenizer, loaded, template is not None, key, root, write_cache,
+                                             warnings, keep_scratch=current_ranks().distributed)
+            return prepared, folder, prepared.report.cache != "written"
+        return prepare_shared(current_ranks(), here) if current_ranks().distributed else here()[0]
+    if key is not None and not refresh:
+        hit = reuse_entry(root, key)
+        if hit is not None:
+            return hit
     prepared = tokenize_all(cfg, tokenizer, loaded, template is not None)
     prepared.report.warnings += warnings
     if is_vision_tokenizer(tokenizer) and cfg.data.cache:
@@ -192,6 +181,17 @@ def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: st
             path = cache.write_entry(root, key, prepared)
             prepared.report.cache, prepared.report.cache_path = "written", str(path)
     return prepared
+
+
+def reuse_entry(root: Path, key: str) -> PreparedData | None:
+    """The cache entry `key`, when it is there whole (cache.read_entry), as prepared data."""
+    hit = cache.read_entry(root, key)
+    if hit is None:
+        return None
+    train, val, val_records, report_dict, created = hit
+    report = DataReport(**report_dict)
+    report.cache, report.cache_path, report.cache_created = "reused", str(root / key), created
+    return PreparedData(train, val, val_records, report)
 
 
 def tokenize_group(datasets: list[LoadedDataset], tokenizer, has_template: bool, cfg, report: DataReport):
@@ -220,7 +220,8 @@ def tokenize_all(cfg, tokenizer, loaded: LoadedData, has_template: bool) -> Prep
     if cfg.data.val_set_size and not loaded.val:
         train, train_rec, origin, val, val_rec = split_validation(
             train, train_rec, origin, cfg.data.val_set_size, cfg.training.seed)
-    train = apply_weights(train, origin, [ds.spec.weight for ds in loaded.train], cfg.training.seed)
+    train = [train[i] for i in mix_indices(np.arange(len(train)), np.asarray(origin, dtype=np.int64),
+                                           [ds.spec for ds in loaded.train], cfg.training.seed)]
 
     report.train_examples, report.val_examples = len(train), len(val)
     seqs = [s for ex in train for s in ex.sequences()]

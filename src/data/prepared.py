@@ -37,6 +37,11 @@ class DataReport:
     cache_path: str = ""
     cache_created: str = ""
     warnings: list[str] = field(default_factory=list)
+    # The training mix as realised (SFT): per dataset, examples, tokens, trained tokens and their shares
+    mix: list[dict] = field(default_factory=list)
+    # A distributed run (shared.py): the ranks that tokenized, and how many map the one store
+    tokenized_by: list[int] = field(default_factory=list)
+    mapped_by: int = 0
 
 
 @dataclass

@@ -14,6 +14,7 @@ from .batching import Batcher, lengths_of
 from .examples import Example
 from .packing import packing_efficiency
 from .prepare import PreparedData
+from .shared import describe_sharing
 
 PERCENTILES = (50, 90, 99)
 OPEN, CLOSE = "[[", "]]"     # around loss-carrying tokens in decoded samples
@@ -76,6 +77,26 @@ def plain_examples(train):
     return [ex for ex in train if isinstance(ex, Example)]
 
 
+def mix_lines(rep) -> list[str]:
+    """The training mix as realised, one line per dataset, where there is a mix: several datasets, or a weight."""
+    if len(rep.mix) < 2 and not any(m["weight"] not in (None, 1) for m in rep.mix):
+        return []
+    lines = ["training mix (per dataset: examples, share of examples, tokens, share of trained tokens):"]
+    for m in rep.mix:
+        asked = (f"ratio {m['ratio']:g}" if m["ratio"] is not None
+                 else f"weight {m['weight']:g}" if m["weight"] is not None else "whole")
+        lines.append(f"  {m['dataset']}: {m['examples']} examples ({m['example_share']:.1%}; {asked}), "
+                     f"{m['tokens']:,} tokens, {m['trained_share']:.1%} of trained tokens")
+    return lines
+
+
+def run_lines(rep) -> list[str]:
+    """What a run prints about its data beyond its one-line summary: the mix, and in a distributed run which
+    ranks tokenized the one store they all map."""
+    sharing = describe_sharing(rep)
+    return mix_lines(rep) + ([sharing] if sharing else [])
+
+
 def format_report(prepared: PreparedData, cfg, tokenizer, samples: int = 0) -> list[str]:
     rep = prepared.report
     lines = []
@@ -96,6 +117,7 @@ def format_report(prepared: PreparedData, cfg, tokenizer, samples: int = 0) -> l
     for where in rep.skipped_at:
         lines.append(f"  skipped {where}")
     lines.append(f"loss-carrying tokens: {rep.loss_token_share:.1%} of training tokens")
+    lines += run_lines(rep)
     plain = plain_examples(prepared.train)
     if len(plain):
         eff, rows = packing_efficiency(lengths_of(plain).tolist(), cfg.data.sequence_len)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from ..data import Batcher, load_data, prepare_sft_data
+from ..data.report import run_lines
 from ..evaluation import EvalResult, evaluate, heldout_loss
 from .loop import save_trained, train_loop
 from .outputs import RunResult
@@ -59,6 +60,8 @@ def describe_data(data, echo):
     rep = data.report
     echo(f"data: {rep.train_examples} train / {rep.val_examples} held-out examples, "
          f"{rep.loss_token_share:.0%} of tokens carry loss, {rep.truncated} truncated, {rep.dropped} dropped")
+    for line in run_lines(rep):                # the training mix; under --nproc, which ranks tokenized
+        echo(line)
     return rep
 
 
