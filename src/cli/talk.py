@@ -112,6 +112,12 @@ def chat(target, backend, precision, base_model, chat_template, trust_remote_cod
               metavar="MIB", help="The largest request body read, in MiB; a larger one gets a 413 before it is read.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=128, show_default=True,
               help="Connections handled at once; the next ones get a 503 with Retry-After.")
+@click.option("--header-timeout", type=Finite(min=0, min_open=True), default=10.0, show_default=True,
+              metavar="SECONDS", help="Seconds a request's line and headers may take to arrive; then a 408 and the "
+                                      "connection closes (a slow client holds a connection this long at most).")
+@click.option("--min-body-rate", type=Finite(min=0, min_open=True), default=64.0, show_default=True,
+              metavar="KIB_S", help="A body must arrive within --header-timeout plus its size at this rate "
+                                    "(KiB/s); then a 408.")
 @click.option("--api-key", envvar="MUDPUPPY_API_KEY", default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every request (401 otherwise).")
 @click.option("--allow-origin", "allow_origins", multiple=True, metavar="ORIGIN",
@@ -121,7 +127,7 @@ def chat(target, backend, precision, base_model, chat_template, trust_remote_cod
 @handle_errors
 def serve(target, backend, precision, base_model, chat_template, trust_remote_code, top_p, top_k, seed, host, port,
           model_name, temperature, max_new_tokens, max_tokens_cap, request_timeout, max_batch, max_body,
-          max_connections, api_key, allow_origins, debug):
+          max_connections, header_timeout, min_body_rate, api_key, allow_origins, debug):
     """Serve a run, adapter or model with OpenAI's chat completions API (docs/serve.md).
 
     POST /v1/chat/completions (stream: true for server-sent events) and GET /v1/models, on
@@ -136,7 +142,7 @@ def serve(target, backend, precision, base_model, chat_template, trust_remote_co
                                  param_hint="--max-new-tokens")
     defaults = GenerationOptions(max_new_tokens, temperature, top_p, top_k, seed)
     limits = ServerLimits(max_tokens_cap, request_timeout or None, max_batch, api_key or None, tuple(allow_origins),
-                          max(1, int(max_body * 2**20)), max_connections)
+                          max(1, int(max_body * 2**20)), max_connections, header_timeout, min_body_rate * 2**10)
     server = start_server(None, host, port, defaults, limits=limits)   # a port in use is reported before the load
     try:
         model = _load_talking_model(target, backend, precision, base_model, chat_template, trust_remote_code,

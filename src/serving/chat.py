@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..errors import MudpuppyError
+from .bounds import ContextExceeded, PromptBound
 from .engine import ChatModel, Completion, GenerationOptions
 
 HELP = """commands:
@@ -32,18 +33,25 @@ class ChatSession:
     system: str | None = None
     messages: list[dict] = field(default_factory=list)   # user and assistant turns, the system prompt apart
     answers: int = 0                                      # answers given: a fixed --seed steps by one each
+    bound: PromptBound | None = None                      # serve's prompt bound, found at the first message
 
     def conversation(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.messages
 
     def reply(self, text: str, on_text=None) -> Completion:
-        """Answer a user message; the exchange joins the conversation only when the answer is complete."""
+        """Answer a user message; the exchange joins the conversation only when the answer is complete.
+        ContextExceeded, before tokenizing when the text alone is too long, if the prompt does not fit."""
         turn = [*self.conversation(), {"role": "user", "content": text}]
+        if self.bound is None:
+            self.bound = PromptBound.of(self.model)
+        prompt = self.bound.prompt_ids(self.model, turn)
         options = self.options
         if options.seed is not None:
             options = replace(options, seed=options.seed + self.answers)
-        completion = self.model.complete(turn, options, on_text)
+        if self.bound.context is not None:      # an answer ends where the context does, as serve cuts max_tokens
+            options = replace(options, max_new_tokens=min(options.max_new_tokens, self.bound.context - len(prompt)))
+        completion = self.model.complete(turn, options, on_text, prompt)
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": completion.text}]
         self.answers += 1
         return completion
@@ -123,6 +131,11 @@ def answer(session: ChatSession, text: str, stdout: TextIO, stderr: TextIO, inte
 
     try:
         completion = session.reply(text, show)
+    except ContextExceeded as exc:
+        if not interactive:        # answering the lines after it would pair answers with the wrong lines
+            raise MudpuppyError(f"a message read from stdin is too long: {exc} The chat stops here.") from None
+        say(stderr, f"{exc} That message is left out; shorten it, or /reset to start a new conversation.")
+        return None
     except KeyboardInterrupt:
         if not interactive:
             raise

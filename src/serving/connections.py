@@ -10,10 +10,18 @@
   then never sees the answer (a 413, a 401): `discard` reads and drops what is left of the body,
   up to DRAIN_LIMIT bytes within DRAIN_SECONDS, before the connection closes.
 - A client that drops its connection is one line in the log, not a traceback (`dropped_line`).
+- A client that sends slowly holds its thread only so long (`DeadlineReader`): a request's line and
+  headers must arrive within --header-timeout of the wait for them starting, its body within that
+  again plus its size at --min-body-rate. A per-read timeout alone let a client trickling one byte
+  a minute hold a thread for ever, and --max-connections of them shut everyone else out
+  (slowloris). Past the deadline the client gets a 408 and the connection closes; one that sent no
+  byte of a request is closed (with one log line unless it is an idle keep-alive connection).
 """
 
 from __future__ import annotations
 
+import io
+import json
 import queue
 import threading
 import time
@@ -89,9 +97,75 @@ def discard(rfile, size: int) -> bool:
             if not got:
                 return False
             size -= len(got)
-    except (OSError, ValueError):
+    except (OSError, ValueError, ReadDeadline):
         return False
     return True
+
+
+class ReadDeadline(Exception):
+    """A request's headers or body did not arrive in time (--header-timeout, --min-body-rate)."""
+
+    def __init__(self, what: str, seconds: float, received: int):
+        super().__init__(f"the request's {what} did not arrive within {seconds:g} s")
+        self.what, self.seconds, self.received = what, seconds, received
+
+
+class DeadlineReader(io.RawIOBase):
+    """The connection's bytes, with one deadline over all the reads of a phase (`start`): each read waits
+    at most until the deadline, and none starts after it. Between phases (`stop`), reads wait `idle`
+    seconds each, the socket's timeout as before."""
+
+    def __init__(self, sock, idle: float):
+        self.sock, self.idle = sock, idle
+        self.deadline: float | None = None
+        self.what, self.seconds, self.received = "request", 0.0, 0
+
+    def start(self, what: str, seconds: float) -> None:
+        self.what, self.seconds, self.received = what, seconds, 0
+        self.deadline = time.monotonic() + seconds
+
+    def stop(self) -> None:
+        self.deadline = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        wait = self.idle
+        if self.deadline is not None:
+            wait = min(wait, self.deadline - time.monotonic())
+            if wait <= 0:
+                raise ReadDeadline(self.what, self.seconds, self.received)
+        self.sock.settimeout(wait)
+        try:
+            got = self.sock.recv_into(buffer)
+        except TimeoutError:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise ReadDeadline(self.what, self.seconds, self.received) from None
+            raise
+        finally:
+            self.sock.settimeout(self.idle)    # writes keep the connection's own timeout
+        self.received += got
+        return got
+
+
+def body_seconds(size: int, limits) -> float:
+    """The time a body of `size` bytes gets (ServerLimits): the header timeout, plus its size at the minimum rate."""
+    return limits.header_timeout + size / limits.min_body_rate
+
+
+def send_timeout(sock, exc: ReadDeadline, flag: str) -> None:
+    """Answer 408 and let the connection close; written whole here, since the request line may be
+    missing (nothing to take an HTTP version from). A client that does not read it costs 2 s at most."""
+    body = json.dumps({"error": {"message": f"{str(exc)[0].upper()}{str(exc)[1:]} ({flag}).",
+                                 "type": "invalid_request_error", "param": None, "code": "request_timeout"}})
+    head = (f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n")
+    try:
+        sock.settimeout(2.0)
+        sock.sendall(head.encode("ascii") + body.encode("utf-8"))
+    except OSError:
+        pass
 
 
 def dropped_line(address, exc: BaseException) -> str:

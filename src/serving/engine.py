@@ -141,9 +141,10 @@ class ChatModel:
         return literal_prompt_ids(self.tokenizer, self.render, messages, max_chars)
 
     def complete(self, messages: list[dict], options: GenerationOptions,
-                 on_text: Callable[[str], None] | None = None) -> Completion:
-        """The assistant's answer to `messages`, each final piece of text passed to `on_text` as it comes."""
-        prompt = self.prompt_ids(messages)
+                 on_text: Callable[[str], None] | None = None, prompt: list[int] | None = None) -> Completion:
+        """The assistant's answer to `messages`, each final piece of text passed to `on_text` as it comes.
+        `prompt`: their ids, when the caller has them already (bounds.PromptBound)."""
+        prompt = self.prompt_ids(messages) if prompt is None else prompt
         answer = Answer(self.tokenizer, self.stop_ids, options.stop, on_text)
         stream_ids(self.backend, self.handle, prompt, options.max_new_tokens, self.stop_ids, options.sampling(),
                    answer_seed(options), answer.add)

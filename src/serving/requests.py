@@ -151,33 +151,6 @@ def apply_limits(request: ChatRequest, prompt_tokens: int, context: int | None, 
     return replace(request.options, max_new_tokens=wanted)
 
 
-def prompt_char_limit(tokenizer, context: int | None) -> int | None:
-    """The most characters the messages of a prompt that fits `context` tokens can hold: no token stands
-    for more characters than the longest in the vocabulary (byte-level vocabularies write a byte as one
-    character, and a character is at least one byte), so longer messages need more tokens than the
-    context has, and are refused before tokenizing: tokenizing 15 MB takes minutes and gigabytes."""
-    if context is None:
-        return None
-    try:
-        longest = max(map(len, tokenizer.get_vocab()), default=0)
-    except Exception:      # a tokenizer without a vocabulary to list: the body limit alone bounds the prompt
-        return None
-    return context * max(longest, 1)
-
-
-def check_prompt_size(messages: list[dict], limit: int | None, context: int | None) -> None:
-    """A 400 context_length_exceeded, before rendering, for messages longer than `limit` characters."""
-    chars = sum(len(m["content"]) for m in messages)
-    if limit is not None and chars > limit:
-        raise too_many_chars("messages hold", chars, limit, context)
-
-
-def too_many_chars(what: str, chars: int, limit: int, context: int | None) -> RequestError:
-    return RequestError(400, f"This model's maximum context length is {context} tokens. However, your {what} "
-                             f"{chars} characters, more than {context} tokens can hold ({limit}). Please reduce the "
-                             "length of the messages.", "messages", "context_length_exceeded")
-
-
 def parse_messages(value) -> list[dict]:
     if value is None:
         raise RequestError(400, "Missing required parameter: 'messages'.", "messages", "missing_required_parameter")

@@ -22,6 +22,7 @@ thread is joined, so nothing runs inside torch at exit; then the process exits 0
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import select
@@ -36,12 +37,11 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..errors import MudpuppyError
-from .connections import BACKLOG, RETRY_AFTER, Admission, discard, dropped_line, is_dropped
+from .connections import (BACKLOG, DRAIN_SECONDS, RETRY_AFTER, Admission, DeadlineReader, ReadDeadline,
+                          body_seconds, discard, dropped_line, is_dropped, send_timeout)
 from .engine import ChatModel, GenerationOptions
-from ..backends.decoding import context_length
-from .literal import PromptTooLong
-from .requests import (RequestError, apply_limits, check_prompt_size, load_json, parse_chat_request, prompt_char_limit,
-                       too_many_chars)
+from .bounds import ContextExceeded, PromptBound
+from .requests import RequestError, apply_limits, load_json, parse_chat_request
 from .scheduler import ClientGone, GenerationFailed, Scheduler, Stopping, generate
 from .security import Guard, is_loopback
 
@@ -57,6 +57,8 @@ class ServerLimits:
     allow_origins: tuple[str, ...] = ()
     max_body: int = 4 * 2**20              # bytes in one request body (--max-body); above it, 413 unread
     max_connections: int = 128             # connections handled at once (--max-connections); more get a 503
+    header_timeout: float = 10.0           # seconds for a request's line and headers (--header-timeout); then 408
+    min_body_rate: float = 64 * 2**10      # bytes/s: a body gets header_timeout + size / this (--min-body-rate)
 
 
 class ChatServer(ThreadingHTTPServer):
@@ -87,8 +89,8 @@ class ChatServer(ThreadingHTTPServer):
     def attach(self, model: ChatModel) -> None:
         """Serve `model`: its scheduler thread starts here."""
         self.model = model
-        self.context = context_length(model.handle)
-        self.prompt_chars = prompt_char_limit(model.tokenizer, self.context)
+        self.bound = PromptBound.of(model)
+        self.context, self.prompt_chars = self.bound.context, self.bound.chars
         self.scheduler = Scheduler(model, self.limits.max_batch, self.log)
 
     def model_card(self) -> dict:
@@ -203,10 +205,15 @@ class Handler(BaseHTTPRequestHandler):
     server: ChatServer
     protocol_version = "HTTP/1.1"
     server_version = "mudpuppy"
-    timeout = 120          # seconds a connection may sit idle or half-sent (slow clients hold a thread each)
+    timeout = 120          # seconds one read may wait; each request's headers and body have a deadline besides
+    drain_seconds, header_cap = DRAIN_SECONDS, float("inf")     # the body unread behind a refusal; headers
 
     def setup(self) -> None:
         super().setup()
+        self.rfile.close()             # reads go through one deadline per part of a request instead
+        self.reader = DeadlineReader(self.connection, self.timeout)
+        self.rfile = io.BufferedReader(self.reader)
+        self.served = False            # a request on this connection was read whole
         with self.server.busy:
             self.server.connections.add(self.connection)
 
@@ -218,6 +225,26 @@ class Handler(BaseHTTPRequestHandler):
         with self.server.busy:
             self.server.connections.discard(self.connection)
             self.server.busy.notify_all()
+
+    def handle_one_request(self) -> None:
+        self.reader.start("headers", min(self.header_cap, self.server.limits.header_timeout))
+        try:
+            super().handle_one_request()
+        except ReadDeadline as exc:
+            self.too_slow(exc)
+
+    def too_slow(self, exc: ReadDeadline) -> None:
+        """A 408 for a request that stopped coming; a connection that sent nothing is closed without one (a
+        client would take it for the answer to the request it sends next), logged unless it is keep-alive."""
+        self.close_connection = True
+        where = f"{self.client_address[0]}:{self.client_address[1]}"
+        if exc.what == "headers" and exc.received == 0:
+            if not self.served:
+                self.server.log(f"{where}: sent no request within {exc.seconds:g} s (--header-timeout); closed")
+            return
+        flag = "--header-timeout" if exc.what == "headers" else "--header-timeout, --min-body-rate"
+        self.server.log(f"{where}: {exc} ({flag}); answered 408")
+        send_timeout(self.connection, exc, flag)
 
     def log_message(self, format: str, *args) -> None:
         self.server.log(f"{self.address_string()} {format % args}")
@@ -235,6 +262,7 @@ class Handler(BaseHTTPRequestHandler):
     def guard(self, handler) -> None:
         """Every failure becomes an OpenAI error body; nothing a request does stops the server."""
         self.body_read = self.in_answer = False
+        self.served = True
         try:
             self.server.guard.check(self.command, self.headers)
             handler()
@@ -248,6 +276,8 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             if not self.in_answer:
                 self.server.log(dropped_line(self.client_address, exc))
+        except ReadDeadline:
+            raise                                 # handle_one_request answers it: 408
         except Exception as exc:   # a bug: say so, keep serving
             self.server.log(traceback.format_exc())
             self.refuse(RequestError(500, f"The server failed on this request: {type(exc).__name__}: {exc}",
@@ -263,6 +293,7 @@ class Handler(BaseHTTPRequestHandler):
         size = self.declared_length() if unread else None
         if size:
             self.wfile.flush()
+            self.reader.start("body", self.drain_seconds)
             discard(self.rfile, size)
 
     def preflight(self) -> None:
@@ -295,11 +326,11 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(404, f"Unknown request URL: POST {self.path}.", code="unknown_url")
         server = self.server
         request = parse_chat_request(load_json(self.read_body_raw()), server.model.name, server.defaults)
-        check_prompt_size(request.messages, server.prompt_chars, server.context)
-        try:     # many short messages pass that check; rendered, the template's text counts too
-            prompt = server.model.prompt_ids(request.messages, server.prompt_chars)
-        except PromptTooLong as exc:
-            raise too_many_chars("rendered messages have", exc.chars, exc.limit, server.context) from None
+        try:
+            prompt = server.bound.prompt_ids(server.model, request.messages)
+        except ContextExceeded as exc:
+            raise RequestError(400, f"{exc} Please reduce the length of the messages.", "messages",
+                               "context_length_exceeded") from None
         options = apply_limits(request, len(prompt), server.context, server.limits.max_tokens)
         if server.stopping:
             raise RequestError(503, "The server is shutting down.", kind="server_error", code="shutting_down")
@@ -338,6 +369,7 @@ class Handler(BaseHTTPRequestHandler):
         if size > limit:
             raise RequestError(413, f"The request body is {size} bytes; this server reads at most {limit} "
                                     "(--max-body).", code="request_too_large")
+        self.reader.start("body", body_seconds(size, self.server.limits))
         body = self.rfile.read(size)
         self.body_read = True
         return body
@@ -438,6 +470,7 @@ class Handler(BaseHTTPRequestHandler):
 class Overloaded(Handler):
     """The answer to a connection beyond --max-connections: its request read, a 503 with Retry-After."""
     timeout = 2            # one thread answers these, one at a time: a slow client must not hold it
+    drain_seconds = header_cap = 2.0
 
     def do_GET(self) -> None:
         self.guard(self.overloaded)
