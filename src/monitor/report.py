@@ -3,6 +3,11 @@
 Both are written from what the run already wrote to its output directory
 (metrics.jsonl, config.yaml, the summary), by rank 0, just before
 run_summary.json (training/outputs.write_summary calls write_run_report).
+A chart or card name that holds a file the run did not write (the user's
+README.md, put in the live run directory before the card was written: the
+run's marker does not list it) is never written over: the run's own goes
+beside it as NAME.mudpuppy.EXT (README.mudpuppy.md, loss.mudpuppy.png), said
+in one line; if that name is someone else's too, that file is skipped.
 The charts need matplotlib (`pip install 'mudpuppy[plot]'`); without it
 they are skipped and the card says so. The card replaces the
 placeholder README.md that PEFT's save_pretrained writes, keeping the front
@@ -62,8 +67,9 @@ def smooth(values: list[float], weight: float | None = None) -> list[float]:
 
 # --------------------------------------------------------------------------- charts
 
-def write_charts(out: Path, method: str, rows: list[dict]) -> list[str]:
-    """loss.png and the method's own curve; the file names written (none without matplotlib or metrics)."""
+def write_charts(out: Path, method: str, rows: list[dict], place=lambda name: name) -> list[str]:
+    """loss.png and the method's own curve; the file names written (none without matplotlib or metrics).
+    `place(name)`: the name to write `name` under (None: not at all), the run's own names (Places)."""
     try:
         from matplotlib.figure import Figure     # no pyplot: no GUI backend, no global state
     except ImportError:
@@ -88,8 +94,10 @@ def write_charts(out: Path, method: str, rows: list[dict]) -> list[str]:
         lr_ax.grid(alpha=0.3)
         fig.suptitle(f"{out.name}: {method}")
         fig.tight_layout()
-        fig.savefig(out / LOSS_PNG)
-        written.append(LOSS_PNG)
+        target = place(LOSS_PNG)
+        if target is not None:
+            fig.savefig(out / target)
+            written.append(target)
     curve = METHOD_CURVES.get(method)
     if curve is not None:
         name, title, keys = curve
@@ -109,8 +117,10 @@ def write_charts(out: Path, method: str, rows: list[dict]) -> list[str]:
             ax.grid(alpha=0.3)
             ax.legend()
             fig.tight_layout()
-            fig.savefig(out / name)
-            written.append(name)
+            target = place(name)
+            if target is not None:
+                fig.savefig(out / target)
+                written.append(target)
     return written
 
 
@@ -278,16 +288,46 @@ def model_card(out: Path, cfg: dict, summary: dict, charts: list[str], plots_mis
     return "\n".join(lines) + "\n"
 
 
+class Places:
+    """Where the run writes each of its report's names in `out`: the name itself, each recorded in the run's
+    marker before it is written, unless it holds a file the run did not write (rundir.is_theirs)."""
+
+    def __init__(self, out: Path):
+        self.out, self.moved = out, []
+
+    def __call__(self, name: str) -> str | None:
+        from ..training import rundir
+
+        stem, _, ext = name.rpartition(".")
+        for target in (name, f"{stem}.mudpuppy.{ext}"):
+            if not rundir.is_theirs(self.out, target):
+                rundir.record(self.out, [target])
+                if target != name:
+                    self.moved.append(f"{name} as {target}")
+                return target
+        self.moved.append(f"no {name} (that name and {stem}.mudpuppy.{ext} hold files the run did not write)")
+        return None
+
+    def say(self) -> None:
+        if self.moved:
+            print(f"{self.out}: kept the files there that the run did not write; wrote {', '.join(self.moved)}",
+                  file=sys.stderr)
+
+
 def write_run_report(out: Path, summary: dict) -> list[str]:
     """Charts and the model card for a finished run; returns the files written."""
     cfg_path = out / "config.yaml"
     cfg = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
     rows = read_metrics(out)
-    charts = write_charts(out, cfg.get("method", "sft"), rows)
+    place = Places(out)
+    charts = write_charts(out, cfg.get("method", "sft"), rows, place)
     try:
         import matplotlib  # noqa: F401
         missing = False
     except ImportError:
         missing = True
-    (out / CARD).write_text(model_card(out, cfg, summary, charts, missing), encoding="utf-8")
-    return [*charts, CARD]
+    card = place(CARD)
+    if card is not None:
+        (out / card).write_text(model_card(out, cfg, summary, charts, missing), encoding="utf-8")
+    place.say()
+    return [*charts, *([card] if card else [])]

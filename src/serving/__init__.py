@@ -8,7 +8,9 @@
     server         the OpenAI-compatible server (standard library only): HTTP, shutdown
     requests       a request body checked into options and token limits, or an OpenAI error
     security       API key, Origin / Host / Content-Type rules against cross-site requests
-    connections    the worker pool and its 503s, bodies drained after a refusal, dropped connections logged
+    connections    the worker pool and its 503s, deadlines for slow clients (408), bodies drained after a
+                   refusal, dropped connections logged
+    bounds         how long a prompt may be (the context, in characters then tokens), for chat and serve
     literal        special-token text inside a message tokenized as text (no forged turns)
     scheduler      continuous batching: one thread owns the model and decodes every answer in one
                    batch through the backend's `open_decoder`

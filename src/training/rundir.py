@@ -96,9 +96,22 @@ def publish_staged(stage: Path, out: Path) -> list[str]:
     """What a save wrote in `stage` (the run's own staging folder: only this process writes there) recorded,
     then renamed into `out`."""
     names = sorted(os.listdir(stage))
+    if "README.md" in names and is_theirs(out, "README.md"):   # PEFT's placeholder card over the user's file:
+        os.remove(stage / "README.md")                          # dropped; the run's card goes beside it
+        names.remove("README.md")                               # (monitor/report.py)
     record(out, names)
     move_into(stage, out)
     return names
+
+
+def is_theirs(out: Path, name: str) -> bool:
+    """`name` is in the marked run directory `out` and the run did not write it (its marker does not list
+    it): the user's file, or another verb's; the run must not write over it."""
+    path = Path(out) / name
+    if not (path.exists() or path.is_symlink()):
+        return False
+    marker = read_marker(out)
+    return marker is not None and name not in set(marker.get("written", [])) | ALWAYS
 
 
 def adopt(out: Path) -> tuple[list[str], list[str]]:
