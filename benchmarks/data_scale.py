@@ -72,15 +72,18 @@ print(len(ds), sum(len(x) for x in ds["input_ids"][:1000]))
 
 def run_child(argv: list[str], env: dict | None = None) -> dict:
     """Wall seconds and peak RSS (MB) of one child process (and its descendants' largest)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{argv[:3]} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds of the child and every worker it waited for: what the work cost, whatever else the cores ran.
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     # ru_maxrss of children is the largest so far: a smaller child than an earlier one reads as the same.
-    return {"seconds": seconds, "peak_rss_mb": peak / 1024, "grew": peak > before, "stdout": done.stdout[-400:]}
+    return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss_mb": after.ru_maxrss / 1024,
+            "grew": after.ru_maxrss > before.ru_maxrss, "stdout": done.stdout[-400:]}
 
 
 def mudpuppy_side(data: Path, work: Path, num_proc: int) -> dict:
@@ -131,7 +134,7 @@ def main() -> None:
                        "examples_per_s": size / result["seconds"]}
                 rows.append(row)
                 print(f"{size:>9,}  {name:<28} {row['seconds']:8.1f} s  {row['examples_per_s']:8.0f} ex/s  "
-                      f"peak RSS {row['peak_rss_mb']:7.0f} MB", flush=True)
+                      f"{row['cpu_seconds']:7.1f} CPU s  peak RSS {row['peak_rss_mb']:7.0f} MB", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"model": model, "cores": cores, "load": os.getloadavg(), "rows": rows}, indent=1))
 

@@ -85,15 +85,39 @@ def direct_renderer(tokenizer, clean: list[dict], tools: list[dict] | None) -> C
     if tools is not None and not all(type(t) is dict for t in tools):
         return None
     try:
-        compiled = ctu._compile_jinja_template(tokenizer.get_chat_template(None, tools))
-    except (ValueError, TypeError, ImportError):      # no or several templates: apply_chat_template says so
+        template = tokenizer.get_chat_template(None, tools)
+    except (ValueError, TypeError):      # no template, or several and none named: apply_chat_template says so
         return None
-    kwargs = ctu._plain_template_data(dict(tokenizer.special_tokens_map))
+    if type(template) is not str:
+        return None
+    compiled, flat, kwargs = _prepared(ctu, template, tokenizer.special_tokens_map)
 
     def render(messages: list[dict], add_generation_prompt: bool) -> str:
-        return compiled.render(messages=messages, tools=tools, documents=None,
-                               add_generation_prompt=add_generation_prompt, **kwargs)
+        # What Template.render does, less the copy of Jinja's globals (a ChainMap) into every call's context.
+        names = {**flat, "messages": messages, "tools": tools, "documents": None,
+                 "add_generation_prompt": add_generation_prompt, **kwargs}
+        try:
+            return "".join(compiled.root_render_func(compiled.new_context(names, shared=True)))
+        except Exception:       # noqa: BLE001 - render again the usual way: the same error, raised as Jinja raises it
+            return compiled.render(messages=messages, tools=tools, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **kwargs)
     return render
+
+
+_PREPARED: dict[str, tuple] = {}   # template source -> (compiled, special tokens map, globals, plain kwargs)
+
+
+def _prepared(ctu, template: str, special: dict) -> tuple:
+    """(compiled template, its Jinja globals as one dict, the special tokens as the template sees them),
+    kept from the last conversation: looking them up costs more than checking they are still the same."""
+    hit = _PREPARED.get(template)
+    if hit is None or hit[1] != special:
+        if len(_PREPARED) > 16:
+            _PREPARED.clear()
+        compiled = ctu._compile_jinja_template(template)
+        hit = _PREPARED[template] = (compiled, dict(special), dict(compiled.globals),
+                                     ctu._plain_template_data(dict(special)))
+    return hit[0], hit[2], hit[3]
 
 
 def _unchanged(cls, base) -> bool:

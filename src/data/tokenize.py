@@ -44,6 +44,13 @@ def tokenize_rendered(tokenizer, items: list[Rendered], train_on_eos: str = "tur
 def encode_with_offsets(tokenizer, items: list[Rendered], add_special_tokens: bool) -> list[tuple[list[int], np.ndarray]]:
     """(ids, character offsets [T, 2]) per rendered text."""
     if getattr(tokenizer, "is_fast", False):
+        # The offsets are read from the Rust encodings, which the call returns anyway: asking for them (and for
+        # the attention mask) in the result only copies them into Python lists once more.
+        enc = tokenizer([r.text for r in items], add_special_tokens=add_special_tokens,
+                        return_attention_mask=False, return_token_type_ids=False)
+        if enc.encodings is not None and len(enc.encodings) == len(items):
+            return [(ids, np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2))
+                    for ids, e in zip(enc["input_ids"], enc.encodings)]
         enc = tokenizer([r.text for r in items], add_special_tokens=add_special_tokens, return_offsets_mapping=True)
         return [(ids, np.asarray(off, dtype=np.int64).reshape(-1, 2))
                 for ids, off in zip(enc["input_ids"], enc["offset_mapping"])]
