@@ -128,3 +128,25 @@ def test_a_connection_that_sends_nothing_is_closed_with_one_line_and_a_slow_but_
         reply += quick.recv(65536)
     quick.close()
     assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_a_slow_client_beyond_the_pool_holds_the_overflow_thread_2_s_at_most(nonstop):
+    srv = Server(nonstop, max_connections=SLOW, header_timeout=6.0)
+    try:
+        pool = [Trickler(srv.port, b"GET /v1/models HTTP/1.1\r\n", b"X-Slow: " + b"a" * 200) for _ in range(SLOW)]
+        for client in pool:
+            client.start()
+        time.sleep(0.3)
+        extra = Trickler(srv.port, b"GET /v1/models HTTP/1.1\r\n", b"X-Slow: " + b"a" * 200)
+        extra.start()
+        extra.join(10)
+        # answered by the overflow thread's own 2 s deadline, while the pool's 6 s ones still hold
+        assert extra.answer.startswith(b"HTTP/1.1 408"), extra.answer[:100]
+        assert extra.closed_after < 4.0 and all(client.is_alive() for client in pool)
+        status, _, headers = srv.request(method="GET", path="/v1/models")
+        assert status == 503 and headers.get("Retry-After") == "1"       # the next one gets its 503 at once
+        for client in pool:
+            client.join(15)
+            assert client.answer.startswith(b"HTTP/1.1 408")
+    finally:
+        srv.close()
