@@ -1,6 +1,6 @@
 """Data at size: `mudpuppy preprocess` against `datasets` + `apply_chat_template`, side by side.
 
-    .venv/bin/python benchmarks/data_scale.py --sizes 10000,100000 [--num-proc 2] [--out results/data_scale.json]
+    .venv/bin/python benchmarks/data_scale.py --sizes 10000,100000 --runs 3 [--num-proc 2] [--out results/data_scale.json]
 
 For each size a seeded generator writes chats of realistic length (a system
 prompt, a question and an answer of about 200 SmolLM2 tokens together) to a
@@ -11,11 +11,16 @@ JSONL file; then, each in its own process, one after the other:
 - datasets, one process and `num_proc` processes: `load_dataset("json")`, then
   `map(apply_chat_template, batched=True)` on the same tokenizer (its Arrow
   cache in a fresh folder: written to disk too). It makes no loss masks, which
-  mudpuppy does (a second render of each assistant turn), so it does less work.
+  mudpuppy does (the prefixes around each assistant turn rendered too), so it
+  does less work.
 
-Peak RSS is the child's `ru_maxrss` (RUSAGE_CHILDREN): the largest single
-process of that side, its workers included, not their sum. Examples/s is
-records over the child's wall time, start-up (imports, tokenizer) included.
+With `--runs N` every side runs N times at each size (fresh caches each time)
+and a summary gives the median examples/s with its min and max. Peak RSS is
+the child's `ru_maxrss` (RUSAGE_CHILDREN): the largest single process of that
+side, its workers included, not their sum. Examples/s is records over the
+child's wall time, start-up (imports, tokenizer) included. CPU seconds are the
+child's and its workers' user + system time: what the work cost whatever else
+the cores were running, beside the 1-minute load average around each side.
 The tokenizer is SmolLM2-135M-Instruct's (`smollm2-135m-instruct`, cached by
 mudpuppy). Run it on a quiet machine, or say what else was running.
 """
@@ -27,6 +32,7 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,6 +110,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="10000,100000")
     parser.add_argument("--num-proc", type=int, default=None, help="mudpuppy's data.num_proc and datasets' "
                         "num_proc (default: the cores this process may use)")
+    parser.add_argument("--runs", type=int, default=1, help="runs of every side at every size (the summary "
+                        "gives the median and the spread)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -116,27 +124,55 @@ def main() -> None:
         # Largest first would hide the smaller ones' peaks (ru_maxrss is a running maximum): each size and
         # side gets its own fresh interpreter that runs just that child.
         with tempfile.TemporaryDirectory(prefix="data-scale-", dir=ROOT / "build") as tmp:
-            work = Path(tmp)
-            data = work / "chats.jsonl"
+            data = Path(tmp) / "chats.jsonl"
             write_chats(data, size)
-            sides = {"mudpuppy preprocess, 1 process": [PYTHON, __file__, "--_child", "mudpuppy", str(data), str(work), "1"],
-                     f"mudpuppy preprocess, num_proc={cores}": [PYTHON, __file__, "--_child", "mudpuppy", str(data),
-                                                                str(work), str(cores)],
-                     "datasets map, 1 process": [PYTHON, __file__, "--_child", "datasets", str(data), str(work), "1"],
-                     f"datasets map, num_proc={cores}": [PYTHON, __file__, "--_child", "datasets", str(data),
-                                                          str(work), str(cores)]}
-            for name, argv in sides.items():
-                done = subprocess.run(argv, capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-                row = {"size": size, "side": name, "mb": data.stat().st_size / 1e6, **result,
-                       "examples_per_s": size / result["seconds"]}
-                rows.append(row)
-                print(f"{size:>9,}  {name:<28} {row['seconds']:8.1f} s  {row['examples_per_s']:8.0f} ex/s  "
-                      f"{row['cpu_seconds']:7.1f} CPU s  peak RSS {row['peak_rss_mb']:7.0f} MB", flush=True)
+            for run in range(args.runs):
+                work = Path(tmp) / f"run{run}"        # fresh caches every run: each one tokenizes
+                work.mkdir()
+                rows += run_sides(size, data, work, cores, run)
+    summary = summarize(rows)
+    print("\nmedian over runs (spread: min-max)")
+    for s in summary:
+        print(f"{s['size']:>9,}  {s['side']:<34} {s['examples_per_s']:8.0f} ex/s ({s['min']:.0f}-{s['max']:.0f})  "
+              f"{s['cpu_seconds']:7.1f} CPU s  peak RSS {s['peak_rss_mb']:5.0f} MB  load {s['load']:.1f}")
     if args.out:
-        args.out.write_text(json.dumps({"model": model, "cores": cores, "load": os.getloadavg(), "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"model": model, "cores": cores, "runs": args.runs, "summary": summary,
+                                        "rows": rows}, indent=1))
+
+
+def run_sides(size: int, data: Path, work: Path, cores: int, run: int) -> list[dict]:
+    sides = {"mudpuppy preprocess, 1 process": ("mudpuppy", 1), f"mudpuppy preprocess, num_proc={cores}": ("mudpuppy", cores),
+             "datasets map, 1 process": ("datasets", 1), f"datasets map, num_proc={cores}": ("datasets", cores)}
+    rows = []
+    for name, (kind, procs) in sides.items():
+        load_before = os.getloadavg()[0]
+        done = subprocess.run([PYTHON, __file__, "--_child", kind, str(data), str(work), str(procs)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        # The 1-minute load average before and after: what else the cores were running meanwhile.
+        row = {"size": size, "side": name, "run": run, "mb": data.stat().st_size / 1e6, **result,
+               "examples_per_s": size / result["seconds"], "load": (load_before + os.getloadavg()[0]) / 2}
+        rows.append(row)
+        print(f"{size:>9,}  {name:<34} {row['seconds']:8.1f} s  {row['examples_per_s']:8.0f} ex/s  "
+              f"{row['cpu_seconds']:7.1f} CPU s  peak RSS {row['peak_rss_mb']:7.0f} MB  load {row['load']:.1f}",
+              flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per size and side: the median examples/s with its min and max, median CPU seconds, largest peak RSS."""
+    out = []
+    for key in dict.fromkeys((r["size"], r["side"]) for r in rows):
+        mine = [r for r in rows if (r["size"], r["side"]) == key]
+        rates = [r["examples_per_s"] for r in mine]
+        out.append({"size": key[0], "side": key[1], "runs": len(mine), "examples_per_s": statistics.median(rates),
+                    "min": min(rates), "max": max(rates),
+                    "cpu_seconds": statistics.median(r["cpu_seconds"] for r in mine),
+                    "peak_rss_mb": max(r["peak_rss_mb"] for r in mine),
+                    "load": statistics.median(r["load"] for r in mine)})
+    return out
 
 
 def child() -> None:
