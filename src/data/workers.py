@@ -10,6 +10,7 @@ order the chunks went out: the output is the same for any number of workers.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -57,6 +58,10 @@ def ordered_map(fn: Callable, jobs: Iterable, tokenizer, num_proc: int) -> Itera
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if fork:
         _STATE["tokenizer"] = tokenizer
+        # Everything this process holds (the tokenizer, every imported module) moves out of the garbage
+        # collector's sight before the fork: a worker's collections would otherwise walk all of it, and touching
+        # each object's header copies the pages it shares with this process.
+        gc.freeze()
         pool = ctx.Pool(num_proc)
     else:
         pool = ctx.Pool(num_proc, initializer=_init, initargs=(pickle.dumps(tokenizer),))
@@ -71,6 +76,8 @@ def ordered_map(fn: Callable, jobs: Iterable, tokenizer, num_proc: int) -> Itera
     finally:
         pool.terminate()
         pool.join()
+        if fork:
+            gc.unfreeze()
         _STATE.pop("tokenizer", None)
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
