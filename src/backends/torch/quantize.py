@@ -235,8 +235,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit for bit (torch.equal takes -0.0 for 0.0 and never a NaN for itself)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+    return torch.equal(as_bits(a), as_bits(b))
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of its element size (-0.0 and 0.0 differ, a NaN equals itself)."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _build_dequantizer(device: torch.device, quant_backend: str, dtype: torch.dtype):
@@ -272,7 +276,8 @@ def _build_dequantizer(device: torch.device, quant_backend: str, dtype: torch.dt
             FALLBACKS[key] = describe_difference(fast, eager)
             return dequantize_weight
     except Exception as exc:   # inductor raises many types; each means "no fused kernel here", not a user error
-        FALLBACKS[key] = f"compiling failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        FALLBACKS[key] = f"compiling failed: {type(exc).__name__}: {first}"
         return dequantize_weight
     return kernel
 
@@ -282,8 +287,7 @@ def describe_difference(fast: torch.Tensor, eager: torch.Tensor) -> str:
     if fast.shape != eager.shape or fast.dtype != eager.dtype:
         return f"compiled output {tuple(fast.shape)} {fast.dtype}, eager {tuple(eager.shape)} {eager.dtype}"
     diff = (fast.float() - eager.float()).abs()
-    bits = fast.contiguous().view(torch.int16) != eager.contiguous().view(torch.int16) if fast.element_size() == 2 \
-        else fast != eager
+    bits = as_bits(fast) != as_bits(eager)      # as same_bits compares them: a zero's sign counts
     return (f"compiled values differ from eager at {int(bits.sum())} of {fast.numel()} elements "
             f"(max abs diff {diff.max().item():.3g}, nan in compiled {bool(fast.isnan().any())})")
 
