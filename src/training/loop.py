@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import shutil
 import signal
 import threading
@@ -33,13 +32,6 @@ from ..monitor.callbacks import Callback, Callbacks
 from . import checkpoints, outputs
 from .rundir import STAGING_FINAL, publish_staged, record
 from .schedule import learning_rate
-
-# Fault injection for the resume tests: SIGKILL this process right after the
-# given step (and its checkpoint) completes, as a crash or OOM kill would; in a
-# distributed run only the rank FAULT_RANK_ENV names (default: every rank).
-FAULT_ENV = "MUDPUPPY_FAULT_AFTER_STEP"
-FAULT_RANK_ENV = "MUDPUPPY_FAULT_RANK"
-
 
 class TrainingDiverged(MudpuppyError):
     exit_code = 3
@@ -172,7 +164,6 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
     t = cfg.training
     report.on_run_start(steps, state.step)
     record = Record()
-    fault_step = fault_injection_step()
     last_saved = state.step
     try:
         while state.step < steps:
@@ -208,8 +199,6 @@ def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, 
             if t.save_steps and state.step % t.save_steps == 0:
                 save_and_report(save, state, report)
                 last_saved = state.step
-            if fault_step and state.step == fault_step:
-                os.kill(os.getpid(), signal.SIGKILL)
             if stop.requested:
                 # The last step too: what comes after training (saving, evaluation, merge) can take minutes,
                 # and the user asked to stop; --resume runs no step and finishes the run.
@@ -269,14 +258,6 @@ def save_and_report(save, state: LoopState, report: Callbacks):
     if path is not None:
         report.on_checkpoint(state.step, Path(path))
     return path
-
-
-def fault_injection_step() -> int:
-    """The step after which the resume tests kill this process (0: never)."""
-    rank = os.environ.get(FAULT_RANK_ENV, "")
-    if rank != "" and int(rank) != current_ranks().rank:
-        return 0
-    return int(os.environ.get(FAULT_ENV, "0") or 0)
 
 
 def rounded(value: float) -> float | None:
