@@ -1,11 +1,21 @@
 """Turning a trained run into something else: `export` (merged safetensors, GGUF, Ollama, MLX), `merge`
-(an adapter into its base, from a config) and `convert-adapter` (PEFT's layout and mlx-lm's)."""
+(an adapter into its base) and `convert-adapter` (PEFT's layout and mlx-lm's).
+
+`export`, `merge` and `eval` take what they read first, positionally, and write inside a run by default:
+<run>/export/<format>[-<quant>], <run>/merged and <run>/eval. Each default is an ordinary output under the
+contract (publish.py): a second write there stops unless --overwrite is given.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
-from .common import config_option, debug_option, handle_errors, set_option
+from ..errors import MudpuppyError
+from .common import debug_option, handle_errors, set_option
+
+RUN_CONFIG = "config.yaml"          # what makes a directory a run (evaluation.targets.RUN_CONFIG)
 
 
 @click.command("export")
@@ -13,7 +23,9 @@ from .common import config_option, debug_option, handle_errors, set_option
 @click.option("--format", "fmt", required=True, type=click.Choice(["merged", "gguf", "ollama", "mlx"]),
               help="merged: plain safetensors; gguf: one llama.cpp file; ollama: the GGUF and a Modelfile; "
                    "mlx: an mlx-lm model directory.")
-@click.option("--out", "out_dir", required=True, type=click.Path(), help="The directory to write.")
+@click.option("--out", "out_dir", default=None, type=click.Path(),
+              help="The directory to write (default: <run>/export/<format>[-<quant>] for a run directory, "
+                   "else ./export-<name>-<format>[-<quant>]).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="merged and mlx: weight precision (default bf16).")
 @click.option("--quant", default=None,
@@ -35,6 +47,7 @@ def export(source, fmt, out_dir, dtype, quant, base_model, chat_template, overwr
     """
     from ..export import ExportRequest, export_model
 
+    out_dir = out_dir or str(default_export_dir(source, fmt, dtype, quant))
     result = export_model(ExportRequest(source, fmt, out_dir, dtype, quant, overwrite, base_model, chat_template,
                                         trust_remote_code=trust_remote_code), echo=click.echo)
     click.echo(f"exported {fmt} to {result.out}: {', '.join(result.files)}")
@@ -42,27 +55,77 @@ def export(source, fmt, out_dir, dtype, quant, base_model, chat_template, overwr
         click.echo(f"  ollama create NAME -f {result.out / 'Modelfile'}")
 
 
+def default_export_dir(source: str, fmt: str, dtype: str | None, quant: str | None) -> Path:
+    """Where an export goes without --out: inside the run it comes from, else beside the command. The name
+    carries the quantization the format resolves to (gguf-f16, gguf-q8_0, mlx-q4), so exports of one run in
+    two quantizations never meet, and a second export of the same kind meets the contract's --overwrite."""
+    from ..export.pipeline import check_options
+
+    _, resolved = check_options(fmt, dtype, quant)       # a bad --format/--quant named before any path
+    name = f"{fmt}-{resolved}" if resolved else fmt
+    path = Path(source).expanduser()
+    if (path / RUN_CONFIG).is_file():
+        return path / "export" / name
+    stem = (path.absolute().name if path.is_dir() else path.name.removesuffix(".gguf")) or "model"
+    return Path(f"export-{stem.replace('/', '-')}-{name}")
+
+
 @click.command()
-@config_option
+@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--config", "-c", "config_path", default=None, type=click.Path(dir_okay=False),
+              help="Instead of RUN_DIR: the run's YAML file (the adapter is read from its output_dir).")
 @set_option
 @click.option("--adapter", "adapter_dir", type=click.Path(file_okay=False), default=None,
-              help="Adapter directory to merge (default: the config's output_dir).")
+              help="Adapter directory to merge (default: RUN_DIR, or the config's output_dir).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Where to write the merged model (default: <output_dir>/merged).")
+              help="Where to write the merged model (default: <RUN_DIR>/merged, or <output_dir>/merged).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Precision of the merged weights (default: the config's merge_dtype).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing merged model directory.")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Let Python files that came with the model run (auto_map); never taken from a run's config.yaml.")
 @debug_option
 @handle_errors
-def merge(config_path, overrides, adapter_dir, out_dir, dtype, overwrite, debug):
-    """Merge a trained LoRA/DoRA adapter into its base model (plain safetensors)."""
-    from .. import create_backend, load_config
+def merge(run_dir, config_path, overrides, adapter_dir, out_dir, dtype, overwrite, trust_remote_code, debug):
+    """Merge a trained LoRA/DoRA adapter into its base model (plain safetensors).
+
+    RUN_DIR is a finished run's directory (it holds config.yaml), as `export` and `eval` take it;
+    `--config FILE` (the run's YAML) still works instead.
+    """
+    from .. import create_backend
     from ..training.merge import merge_run
 
-    cfg = load_config(config_path, overrides, check_files=False)
+    if (run_dir is None) == (config_path is None):
+        raise MudpuppyError("merge: give the run directory (mudpuppy merge outputs/run) or --config FILE, one of them")
+    if run_dir is not None:
+        cfg = run_config(run_dir, overrides, trust_remote_code)
+        adapter_dir = adapter_dir or run_dir
+        out_dir = out_dir or str(Path(run_dir) / "merged")
+    else:
+        from .. import load_config
+
+        cfg = load_config(config_path, overrides, check_files=False)
     path = merge_run(cfg, create_backend(cfg.backend, **cfg.backend_options()), adapter_dir, out_dir, dtype, overwrite,
                      echo=click.echo)
     click.echo(f"merged model saved to {path}")
+
+
+def run_config(run_dir: str, overrides, trust_remote_code: bool):
+    """A run directory's own config.yaml, its model code allowed only by the command (as export and eval do)."""
+    from .. import load_config
+    from ..evaluation.targets import declares_code
+
+    path = Path(run_dir)
+    if not (path / RUN_CONFIG).is_file():
+        raise MudpuppyError(f"{run_dir}: not a run directory (no {RUN_CONFIG}); give a run's output_dir, or "
+                            "--config FILE with the run's YAML")
+    cfg = load_config(path / RUN_CONFIG, overrides, check_files=False)
+    asks = cfg.model.trust_remote_code or declares_code(Path(cfg.model.base_model).expanduser())
+    if asks and not trust_remote_code:
+        raise MudpuppyError(f"{run_dir}: its model may run Python files that came with it (trust_remote_code or "
+                            "auto_map); mudpuppy runs such code only when the command asks: pass --trust-remote-code "
+                            "if you trust where this run and its base model came from")
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"trust_remote_code": trust_remote_code})})
 
 
 @click.command("convert-adapter")
