@@ -14,6 +14,8 @@ from Rust, or a bare RuntimeError from torch's zip writer (no errno at
 all), so `write_errors` asks the file system whether it is full instead of
 trusting the exception's type.
 
+Caching: tokenized data and converted models live under one folder, `cache_dir`.
+
 No torch or mlx here: every backend and the CLI share these checks.
 """
 
@@ -35,6 +37,19 @@ from .errors import MudpuppyError
 MAX_SAFETENSORS_HEADER = 100 * 2**20      # safetensors itself refuses headers over 100 MB
 FULL_PARSE_LIMIT = 16 * 2**20             # JSON above this (a big tokenizer.json) is checked by its ends only
 NEARLY_FULL = 8 * 2**20                   # free bytes under which a failed write is put down to a full disk
+
+
+def cache_dir(kind: str = "") -> Path:
+    """The folder mudpuppy caches what it can rebuild in (tokenized data, converted models), `kind` a folder
+    inside it: $MUDPUPPY_CACHE if set (it moves the whole cache), else $XDG_CACHE_HOME/mudpuppy, else
+    ~/.cache/mudpuppy."""
+    explicit = os.environ.get("MUDPUPPY_CACHE")
+    if explicit:
+        root = Path(explicit).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mudpuppy"
+    return root / kind if kind else root
 
 
 class CorruptFile(MudpuppyError):

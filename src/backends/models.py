@@ -3,7 +3,7 @@
 Accepted forms (an existing path wins over an alias spelled the same):
 
 1. a local directory holding ``config.json`` (used as it is);
-2. a local ``.gguf`` file, converted once into ``cache_dir()/models/`` as
+2. a local ``.gguf`` file, converted once into ``files.cache_dir("models")`` as
    safetensors + config.json + tokenizer files and reused afterwards;
 3. an alias such as ``smollm2-135m-instruct`` (a GGUF shipped inside a pip
    package), converted like a ``.gguf`` file;
@@ -31,7 +31,7 @@ from typing import Any
 
 from ..data.tokenizers import save_tokenizer
 from ..errors import ModelNotFound
-from ..files import check_directory
+from ..files import cache_dir, check_directory
 from ..gguf_check import check_gguf
 
 logger = logging.getLogger(__name__)
@@ -87,16 +87,6 @@ RESOLVED: dict[str, tuple[str, str | None, ResolvedModel]] = {}
 
 
 # --------------------------------------------------------------------------- public API
-
-
-def cache_dir() -> Path:
-    """$MUDPUPPY_CACHE if set, else $XDG_CACHE_HOME/mudpuppy, else ~/.cache/mudpuppy."""
-    explicit = os.environ.get("MUDPUPPY_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "mudpuppy"
 
 
 def resolve_model(
@@ -224,7 +214,7 @@ def converted_dir_for(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{CONVERSION_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_dir() / "models" / f"{gguf_path.stem}-{digest}"
+    return cache_dir("models") / f"{gguf_path.stem}-{digest}"
 
 
 def is_complete(directory: Path) -> bool:

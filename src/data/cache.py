@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import cache_dir
 from .examples import AnyExample, Example, LabeledExample, PairExample, PromptExample, StepExample
 from .store import StoreView, TokenStore, file_sha256
 
@@ -48,18 +49,9 @@ CACHE_VERSION = 4   # 2: rl examples keep their prompt among the fields; 3: SFT 
 BATCHING_ONLY = ("packing", "tokens_per_batch", "group_by_length", "shuffle", "cache", "cache_dir", "num_proc")
 
 
-def default_cache_dir() -> Path:
-    """<mudpuppy cache>/data; $MUDPUPPY_CACHE moves the whole cache (as for converted models)."""
-    explicit = os.environ.get("MUDPUPPY_CACHE")
-    if explicit:
-        return Path(explicit).expanduser() / "data"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "mudpuppy" / "data"
-
-
 def cache_root(cfg) -> Path:
-    return cfg.resolve_path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
+    """data.cache_dir, or the data folder of mudpuppy's cache (files.cache_dir, shared with converted models)."""
+    return cfg.resolve_path(cfg.data.cache_dir) if cfg.data.cache_dir else cache_dir("data")
 
 
 def fingerprint_tokenizer(tokenizer) -> str:

@@ -22,12 +22,12 @@ from mudpuppy.backends.models import (
     MODEL_ALIASES,
     PackagedGGUF,
     ResolvedModel,
-    cache_dir,
     patch_config_file,
     patch_rope_theta,
     resolve_model,
 )
 from mudpuppy.errors import ModelNotFound, MudpuppyError
+from mudpuppy.files import cache_dir
 
 TINY_ROPE_THETA = 50000.0  # not mlx-lm's or llama's default, so a lost value shows
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -202,6 +202,20 @@ def test_cache_dir_falls_back_to_xdg_then_home(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "mudpuppy"
+
+
+def test_converted_models_and_tokenized_data_share_one_cache_root(tmp_path, monkeypatch):
+    """One function decides the cache folder: moving it with $MUDPUPPY_CACHE moves both caches."""
+    from types import SimpleNamespace
+
+    from mudpuppy.data.cache import cache_root
+
+    monkeypatch.setenv("MUDPUPPY_CACHE", str(tmp_path / "moved"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert models.converted_dir_for(gguf).parent == tmp_path / "moved" / "models"
+    cfg = SimpleNamespace(data=SimpleNamespace(cache_dir=None))
+    assert cache_root(cfg) == tmp_path / "moved" / "data"
 
 
 # --------------------------------------------------------------------------- aliases
