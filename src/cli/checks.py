@@ -1,26 +1,97 @@
-"""Checking before training: `validate` reads a config without loading a model, `preprocess` tokenizes and
-caches its data and shows what training will see."""
+"""Checking before training: `validate` reads a config or a curriculum (stage by stage) without loading a
+model, and with --data reads the data files too; `preprocess` tokenizes and caches the data and shows what
+training will see."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import click
 
+from ..errors import MudpuppyError
 from .common import debug_option, handle_errors, set_option
 
 
 @click.command()
 @click.argument("config_path", type=click.Path(dir_okay=False))
 @set_option
+@click.option("--data", "read_data", is_flag=True,
+              help="Also read every data file through the reader training uses: each bad record named by "
+                   "file:line (exit 2 unless data.skip_bad_records), and the record counts the mix draws from.")
 @debug_option
 @handle_errors
-def validate(config_path, overrides, debug):
-    """Check a config (schema, values, data files) without loading a model."""
-    from ..configure import load_config
+def validate(config_path, overrides, read_data, debug):
+    """Check a config or a curriculum, stage by stage (schema, values, data files), without loading a model."""
+    from ..training.curriculum import is_curriculum, load_curriculum
 
-    cfg = load_config(config_path, overrides)
-    method = cfg.method if cfg.data_method() == cfg.method else f"{cfg.method} ({cfg.data_method()})"
-    click.echo(f"{config_path}: ok (method {method}, adapter {cfg.adapter.type}, backend {cfg.backend}, "
-               f"{len(cfg.data.datasets)} dataset(s))")
+    if is_curriculum(config_path):
+        cur = load_curriculum(config_path, overrides)       # every stage checked whole, problems named by stage
+        click.echo(f"{config_path}: a curriculum of {len(cur.stages)} stage(s) -> {cur.output_dir}")
+        checked = [(f"  stage {s.index} ({s.name})", s.cfg) for s in cur.stages]
+    else:
+        from ..configure import load_config
+
+        checked = [(str(config_path), load_config(config_path, overrides))]
+    refused = []
+    for label, cfg in checked:
+        method = cfg.method if cfg.data_method() == cfg.method else f"{cfg.method} ({cfg.data_method()})"
+        click.echo(f"{label}: ok (method {method}, adapter {cfg.adapter.type}, backend {cfg.backend}, "
+                   f"{len(cfg.data.datasets)} dataset(s))")
+        counts, lines = read_datasets(cfg) if read_data else (None, [])
+        indent = "  " if label.startswith("  ") else ""          # a stage's lines sit under the stage
+        for line in lines + mix_lines(cfg, counts):
+            click.echo(indent + line)
+        if counts is not None and counts.bad and not cfg.data.skip_bad_records:
+            refused.append(f"{label.strip()}: {counts.bad} bad record(s)")
+    if refused:
+        raise MudpuppyError(f"{'; '.join(refused)} (listed above, by file:line); training would stop at the first. "
+                            "Fix them, or set data.skip_bad_records: true to leave them out")
+
+
+@dataclass
+class DataCounts:
+    records: list[int]          # per training dataset, the records read (after num_samples)
+    bad: int                    # bad records over every dataset, training and held-out
+
+
+def read_datasets(cfg) -> tuple[DataCounts, list[str]]:
+    """Every dataset read as training reads it, but gathering every bad record instead of stopping at the first
+    (skip_bad_records' reader); the lines name each as file:line."""
+    from ..data import load_data
+
+    gather = cfg.data.model_copy(update={"skip_bad_records": True})
+    loaded = load_data(cfg.model_copy(update={"data": gather}))
+    bad, lines = 0, []
+    for ds in loaded.train + loaded.val:
+        n = ds.skipped_count()
+        bad += n
+        lines.append(f"  {ds.name}: {ds.format}, {ds.record_count()} record(s) read" + (f", {n} bad:" if n else ""))
+        lines += [f"    {line}" for line in ds.skipped]
+        if n > len(ds.skipped):
+            lines.append(f"    ... and {n - len(ds.skipped)} more")
+    return DataCounts([ds.record_count() for ds in loaded.train], bad), lines
+
+
+def mix_lines(cfg, counts: DataCounts | None) -> list[str]:
+    """The training mix the config asks for (datasets[].ratio or .weight); with the data read, the examples each
+    dataset gives the mix before length filtering and any validation split (data/pipeline.py draws them)."""
+    from ..data.pipeline import ratio_counts
+
+    specs = cfg.data.datasets
+    if not specs:
+        return ["  mix: no training datasets"]
+    ratios = [s.ratio for s in specs] if any(s.ratio is not None for s in specs) else None
+    if counts is None:
+        asked = [f"ratio {s.ratio:g}" if ratios else f"weight {s.weight:g}" if s.weight is not None else "whole"
+                 for s in specs]
+        return ["  mix: " + ", ".join(f"{s.path} {a}" for s, a in zip(specs, asked))]
+    drawn = (ratio_counts(ratios, sum(counts.records)) if ratios else
+             [n if s.weight is None else round(s.weight * n) for s, n in zip(specs, counts.records)])
+    lines = ["  mix (examples drawn from each dataset, before length filtering and any validation split):"]
+    for spec, n, take in zip(specs, counts.records, drawn):
+        asked = f"ratio {spec.ratio:g}" if ratios else f"weight {spec.weight:g}" if spec.weight is not None else "whole"
+        lines.append(f"    {spec.path}: {asked}: {take} of its {n} record(s) ({take / max(sum(drawn), 1):.1%})")
+    return lines
 
 
 @click.command()
