@@ -24,7 +24,8 @@ from ..errors import DataError
 from . import cache
 from .prepared import SKIPPED_SHOWN, DataReport, LoadedData, LoadedDataset, PreparedData, fit_length, \
     record_for_eval, render_options
-from .store import StoreView, StoreWriter, TokenStore
+from .store import StoreView, StoreWriter, TokenStore, pack
+from .stream import RawLines
 from .templates import require_chat_template
 from .tokenize import needs_template, tokenize_records, tool_format_for
 from .tools import uses_tools
@@ -41,16 +42,17 @@ def num_workers(cfg) -> int:
 
 
 def tokenize_chunk(tokenizer, job: tuple) -> tuple:
-    """One chunk of records (in a worker): kept examples, their lines, eval records (JSON) when asked,
-    and the (truncated, too long, no target) counts."""
-    fmt, records, opts, name, max_len, policy, keep = job
+    """One chunk of records, or of raw lines to parse first (in a worker): the kept examples as the store's
+    flat arrays, their lines, eval records (JSON) when asked, and the (truncated, too long, no target) counts."""
+    fmt, chunk, opts, name, max_len, policy, keep = job
+    records = chunk.records() if isinstance(chunk, RawLines) else chunk
     examples = tokenize_records(tokenizer, fmt, records, opts, name)
     report = DataReport()
     positions = list(range(len(records)))
     kept, at = fit_length(examples, positions, max_len, policy, report)
     lines = [records[i].line if records[i].line is not None else records[i].row for i in at]
     texts = [json.dumps(record_for_eval(fmt, records[i].data, opts), default=str) for i in at] if keep else None
-    return kept, lines, texts, (report.truncated, report.dropped_too_long, report.dropped_no_target)
+    return pack(kept), lines, texts, (report.truncated, report.dropped_too_long, report.dropped_no_target)
 
 
 def dataset_options(tokenizer, ds: LoadedDataset, has_template: bool, report: DataReport):
@@ -73,7 +75,7 @@ def write_dataset(writer: StoreWriter, ds: LoadedDataset, tokenizer, has_templat
     d = writer.add_dataset(ds.name, bool(probe) and probe[0].line is None)
     before = writer.count
     jobs = ((ds.format, chunk, opts, ds.name, cfg.data.sequence_len, cfg.data.truncation, keep_records)
-            for chunk in ds.chunks(CHUNK))
+            for chunk in ds.jobs(CHUNK))
     # Forking workers costs more than one chunk takes to tokenize: small data stays in this process.
     procs = workers if ds.record_count() > CHUNK else 1
     for kept, lines, texts, (truncated, too_long, no_target) in ordered_map(tokenize_chunk, jobs, tokenizer, procs):

@@ -77,7 +77,7 @@ def scan_dataset(cfg, spec, path: Path, name: str) -> LoadedDataset:
         return LoadedDataset(spec, name, found.format, found.records, found.fingerprint, skipped,
                              skipped_total=found.skipped_total)
     return LoadedDataset(spec, name, found.format, [], found.fingerprint, skipped,
-                         stream=lambda: reread(path, name, spec, found.format, tolerant, limit),
+                         stream=lambda: reread(path, name, spec, found.format, tolerant, limit, found.last_line),
                          count=found.count, skipped_total=found.skipped_total, probe=found.probe)
 
 

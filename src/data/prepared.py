@@ -80,6 +80,15 @@ class LoadedDataset:
         """Bad records left out: `skipped` lists only the first of them where the file was scanned."""
         return max(self.skipped_total, len(self.skipped))
 
+    def jobs(self, size: int) -> Iterator:
+        """What tokenizing takes, `size` records at a time: lists of records, or a streamed JSON-lines file's
+        raw lines (`stream.RawLines`), which the worker that tokenizes them parses (the scan parsed them here)."""
+        source = self.stream() if self.stream is not None else None
+        if hasattr(source, "line_chunks"):
+            yield from source.line_chunks(size)
+        else:
+            yield from self.chunks(size)
+
     def chunks(self, size: int) -> Iterator[list[Record]]:
         if self.stream is None:
             yield from (self.records[i : i + size] for i in range(0, len(self.records), size))

@@ -65,17 +65,17 @@ class StoreWriter:
         self._files[name].write(data)
         self._hashes[name].update(data)
 
-    def append(self, dataset: int, examples: list[Example], lines: list[int], records: list[str] | None) -> None:
-        """Examples of one dataset, in order; `records` (JSON text, one per example) when they may be held out."""
-        if not examples:
+    def append(self, dataset: int, packed: dict[str, np.ndarray], lines: list[int], records: list[str] | None) -> None:
+        """Examples of one dataset, in order, as `pack` gives them; `records` (JSON text, one per example)
+        when they may be held out."""
+        count = len(packed["lengths"])
+        if not count:
             return
-        self._put("tokens", np.concatenate([e.input_ids for e in examples]))
-        self._put("mask", np.concatenate([e.loss_mask for e in examples]))
-        self._put("lengths", [len(e) for e in examples])
-        self._put("targets", [int(e.loss_mask[1:].sum()) for e in examples])
+        for name in ("tokens", "mask", "lengths", "targets"):
+            self._put(name, packed[name])
         self._put("lines", lines)
-        self._put("dataset", np.full(len(examples), dataset))
-        starts, sizes = np.full(len(examples), -1, dtype=np.int64), np.zeros(len(examples), dtype=np.int64)
+        self._put("dataset", np.full(count, dataset))
+        starts, sizes = np.full(count, -1, dtype=np.int64), np.zeros(count, dtype=np.int64)
         for i, text in enumerate(records or ()):
             data = text.encode()
             starts[i], sizes[i] = self._records_at, len(data)
@@ -83,8 +83,8 @@ class StoreWriter:
             self._records_at += len(data)
         self._put("records_idx", starts)
         self._put("records_len", sizes)
-        self.count += len(examples)
-        self.tokens += sum(len(e) for e in examples)
+        self.count += count
+        self.tokens += len(packed["tokens"])
 
     def close(self) -> dict:
         for f in (*self._files.values(), self._records):
@@ -95,6 +95,16 @@ class StoreWriter:
     def abort(self) -> None:
         for f in (*self._files.values(), self._records):
             f.close()
+
+
+def pack(examples: list[Example]) -> dict[str, np.ndarray]:
+    """Examples as the store's flat arrays: a few arrays cross from a worker to the writer, not an object each."""
+    if not examples:
+        return {name: np.zeros(0, dtype=ARRAYS[name]) for name in ("tokens", "mask", "lengths", "targets")}
+    return {"tokens": np.concatenate([e.input_ids for e in examples]).astype(np.int32, copy=False),
+            "mask": np.concatenate([e.loss_mask for e in examples]).astype(np.bool_, copy=False),
+            "lengths": np.asarray([len(e) for e in examples], dtype=np.int32),
+            "targets": np.asarray([int(e.loss_mask[1:].sum()) for e in examples], dtype=np.int32)}
 
 
 class TokenStore:

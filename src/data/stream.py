@@ -4,8 +4,10 @@ SFT data from a `.jsonl` / `.ndjson` file is read twice: a scan before the
 model loads (every record parsed, its format detected on the first DETECT
 records and every record checked against it, so data errors still stop the
 run before anything heavy happens; nothing kept but counts and a few probe
-records), then again while tokenizing, in chunks. Each pass holds one line
-at a time; a line longer than `data.max_record_bytes` is measured, not held.
+records), then again while tokenizing, in chunks of raw lines (`RawLines`)
+that the worker tokenizing a chunk parses: this process parses each record
+once, in the scan. Each pass holds one line (or one chunk's lines) at a
+time; a line longer than `data.max_record_bytes` is measured, not held.
 
 The messages are `readers.read_jsonl`'s, at the same lines, and so is the
 order in which they win: a malformed line anywhere beats a format problem,
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,10 +147,7 @@ def records(path: Path, display: str, tolerant: bool, limit: int, digest=None) -
     row = 0
     for lineno, body in lines(path, display, limit, digest):
         try:
-            if isinstance(body, int) or len(body) > limit:
-                raise DataError(display, lineno, oversize(body if isinstance(body, int) else len(body), limit,
-                                                          "this line"))
-            data = parse_json_line(body, display, lineno)
+            data = parse_line(body, display, lineno, limit)
         except DataError as exc:
             if not tolerant:
                 raise
@@ -156,6 +156,13 @@ def records(path: Path, display: str, tolerant: bool, limit: int, digest=None) -
         if data is not None:
             row += 1
             yield Record(data, row, lineno)
+
+
+def parse_line(body: bytes | int, display: str, lineno: int, limit: int) -> dict | None:
+    """One line (or a too-long line's length, as `lines` gives it) as a record; None for a blank line."""
+    if isinstance(body, int) or len(body) > limit:
+        raise DataError(display, lineno, oversize(body if isinstance(body, int) else len(body), limit, "this line"))
+    return parse_json_line(body, display, lineno)
 
 
 # --------------------------------------------------------------------------- the two passes
@@ -182,6 +189,7 @@ class Scan:
     records: list[Record] | None   # every record, for a file of at most KEEP of them; else read again
     skipped: list[Problem]      # the first bad records (reader's first, then fields'), as read_file orders them
     skipped_total: int
+    last_line: int | None = None   # the line of the last record read (num_samples may stop before the end)
 
 
 def _renamed(path: Path, name: str, spec, tolerant: bool, limit: int, digest=None) -> Iterator[Record | Problem]:
@@ -205,8 +213,11 @@ class _Scanner:
         self.declared, self.buffer = declared, []
         self.read, self.fields = Tally(), Tally()
         self.count, self.probe, self.deferred, self.kept = 0, {}, None, []
+        self.last_line = None
 
     def add(self, item: Record | Problem) -> None:
+        if isinstance(item, Record):
+            self.last_line = item.line
         if isinstance(item, Problem):
             self.read.add(item)
         elif self.format is not None:
@@ -263,7 +274,7 @@ class _Scanner:
             raise DataError(self.name, problems[0].line, f"no usable records: all {self.read.count + self.fields.count} "
                                                          f"were bad; the first: {problems[0].message}")
         return Scan(self.format, self.count, fingerprint, list(self.probe.values()), self.kept, problems,
-                    self.read.count + self.fields.count)
+                    self.read.count + self.fields.count, self.last_line)
 
 
 def scan(path: Path, name: str, spec, tolerant: bool, limit: int) -> Scan:
@@ -275,15 +286,97 @@ def scan(path: Path, name: str, spec, tolerant: bool, limit: int) -> Scan:
     return scanner.finish(digest.hexdigest())
 
 
-def reread(path: Path, name: str, spec, fmt: str, tolerant: bool, limit: int) -> Iterator[Record]:
-    """Pass two: the records the scan counted, normalized, in file order (bad ones were counted then)."""
-    for item in _renamed(path, name, spec, tolerant, limit):
-        if isinstance(item, Problem):
-            continue
-        try:
-            data = normalize_record(fmt, item.data)
-        except ValueError as exc:
-            if tolerant:
+def reread(path: Path, name: str, spec, fmt: str, tolerant: bool, limit: int, until: int | None = None) -> Reread:
+    """Pass two: the records the scan counted, normalized, in file order (bad ones were counted then);
+    `until`, the scan's `last_line`, where num_samples stopped it."""
+    return Reread(path, LineParser(name, spec.field_map, fmt, tolerant, limit), until, spec.num_samples)
+
+
+@dataclass(frozen=True)
+class LineParser:
+    """Raw JSON lines to the records pass two yields: what a tokenizing worker needs to parse its own chunk
+    (small and picklable, so the parent process reads lines and never parses them a second time)."""
+
+    name: str
+    field_map: dict | None
+    fmt: str
+    tolerant: bool
+    limit: int
+
+    def parse(self, lines: list[tuple[int, bytes | int]], row: int) -> list[Record]:
+        """Records of these (line number, line) pairs; `row` numbers the first (bad lines skipped with
+        `tolerant` are not counted back: rows only show for files without lines)."""
+        out = []
+        for lineno, body in lines:
+            try:
+                data = parse_line(body, self.name, lineno, self.limit)
+                if data is None:
+                    continue
+                data = normalize_record(self.fmt, rename_fields(data, self.field_map))
+            except DataError:
+                if self.tolerant:
+                    continue
+                raise                       # the file changed since the scan
+            except ValueError as exc:
+                if self.tolerant:
+                    continue
+                raise record_error(self.name, Record(data, row, lineno), str(exc)) from None
+            out.append(Record(data, row, lineno))
+            row += 1
+        return out
+
+
+@dataclass
+class RawLines:
+    """One chunk of a file's lines, parsed where it is tokenized (`records()`, in a worker)."""
+
+    parser: LineParser
+    row: int
+    lines: list[tuple[int, bytes | int]]
+
+    def records(self) -> list[Record]:
+        return self.parser.parse(self.lines, self.row)
+
+
+@dataclass
+class Reread:
+    """Pass two over a scanned file: iterated, its records (parsed here); `line_chunks`, its raw lines."""
+
+    path: Path
+    parser: LineParser
+    until: int | None = None
+    take: int | None = None        # num_samples: only the first `take` records
+
+    def _lines(self) -> Iterator[tuple[int, bytes | int]]:
+        for lineno, body in lines(self.path, self.parser.name, self.parser.limit):
+            if self.until is not None and lineno > self.until:
+                return
+            yield lineno, body
+
+    def __iter__(self) -> Iterator[Record]:
+        row = 1
+        for item in self._lines():
+            for record in self.parser.parse([item], row):
+                if self.take is not None and row > self.take:
+                    return
+                row += 1
+                yield record
+
+    def line_chunks(self, size: int) -> Iterator[RawLines | list[Record]]:
+        """`size` lines that are not blank at a time (blank ones hold no record and are left out here);
+        without the scan's last line, num_samples can only be counted on parsed records: lists of them."""
+        if self.take is not None and self.until is None:
+            records = iter(self)
+            while chunk := list(itertools.islice(records, size)):
+                yield chunk
+            return
+        chunk, row = [], 1
+        for lineno, body in self._lines():
+            if not body or isinstance(body, bytes) and body.isspace():
                 continue
-            raise record_error(name, item, str(exc)) from None      # the file changed since the scan
-        yield Record(data, item.row, item.line)
+            chunk.append((lineno, body))
+            if len(chunk) == size:
+                yield RawLines(self.parser, row, chunk)
+                chunk, row = [], row + size
+        if chunk:
+            yield RawLines(self.parser, row, chunk)

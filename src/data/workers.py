@@ -17,6 +17,7 @@ import pickle
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 from ..errors import DataError
 
@@ -50,39 +51,54 @@ def ordered_map(fn: Callable, jobs: Iterable, tokenizer, num_proc: int) -> Itera
         for job in jobs:
             yield fn(tokenizer, job)
         return
-    fork = "fork" in multiprocessing.get_all_start_methods() and sys.platform.startswith("linux")
-    ctx = multiprocessing.get_context("fork" if fork else "spawn")
     # The workers are the parallelism: the Rust tokenizer's own threads would only contend with them,
     # and after a fork they would print a warning in every worker.
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    with scoped_env("TOKENIZERS_PARALLELISM", "false"):
+        yield from _pooled(fn, jobs, tokenizer, num_proc)
+
+
+@contextmanager
+def scoped_env(name: str, value: str) -> Iterator[None]:
+    """`name` set to `value` for the block, and as it was after it, however the block ends (an error
+    starting the pool, a consumer that stops early and closes the generator)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def _pooled(fn: Callable, jobs: Iterable, tokenizer, num_proc: int) -> Iterator:
+    fork = "fork" in multiprocessing.get_all_start_methods() and sys.platform.startswith("linux")
+    ctx = multiprocessing.get_context("fork" if fork else "spawn")
     if fork:
         _STATE["tokenizer"] = tokenizer
         # Everything this process holds (the tokenizer, every imported module) moves out of the garbage
         # collector's sight before the fork: a worker's collections would otherwise walk all of it, and touching
         # each object's header copies the pages it shares with this process.
         gc.freeze()
-        pool = ctx.Pool(num_proc)
-    else:
-        pool = ctx.Pool(num_proc, initializer=_init, initargs=(pickle.dumps(tokenizer),))
     try:
-        pending: deque = deque()
-        for job in jobs:
-            pending.append(pool.apply_async(_run, (fn, job)))
-            if len(pending) >= IN_FLIGHT * num_proc:
+        pool = ctx.Pool(num_proc) if fork else ctx.Pool(num_proc, initializer=_init,
+                                                         initargs=(pickle.dumps(tokenizer),))
+        try:
+            pending: deque = deque()
+            for job in jobs:
+                pending.append(pool.apply_async(_run, (fn, job)))
+                if len(pending) >= IN_FLIGHT * num_proc:
+                    yield _result(pending.popleft().get())
+            while pending:
                 yield _result(pending.popleft().get())
-        while pending:
-            yield _result(pending.popleft().get())
+        finally:
+            pool.terminate()
+            pool.join()
     finally:
-        pool.terminate()
-        pool.join()
         if fork:
             gc.unfreeze()
         _STATE.pop("tokenizer", None)
-        if saved is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
 def _result(outcome):
