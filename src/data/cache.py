@@ -5,7 +5,8 @@ the tokenizer (vocabulary, merges, special tokens, chat template) and the
 data settings that change tokens or masks. Anything else (packing, batch
 sizes, shuffling) is applied after loading, so changing it keeps the cache.
 An entry is a directory written to a temporary name and renamed, so a crash
-never leaves a half entry behind. SFT data is a token store (``store.py``:
+never leaves a half entry behind (and the next writer removes the crashed
+writer's folder: claims.py). SFT data is a token store (``store.py``:
 flat arrays read by memory map, with the training and validation index
 arrays and ``meta.json``); other methods' examples are ``arrays.npz`` and
 ``meta.json``. An entry damaged later (a truncated file, a disk error, bytes
@@ -20,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 import zipfile
 import zlib
@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..files import cache_dir
+from . import claims
 from .examples import AnyExample, Example, LabeledExample, PairExample, PromptExample, StepExample
 from .store import StoreView, TokenStore, file_sha256
 
@@ -44,6 +45,8 @@ DAMAGE = (OSError, ValueError, KeyError, IndexError, TypeError, EOFError, zipfil
 # Bump when tokenization or the entry layout changes: older entries are then ignored.
 CACHE_VERSION = 4   # 2: rl examples keep their prompt among the fields; 3: SFT data as a token store;
 #                     4: the report carries the realised training mix
+
+STAGING = r"\.[0-9a-f]{20}-.*"   # an entry's folder while it is written: ".<key>-XXXX"
 
 # DataConfig fields that only affect batching, not tokens: they stay out of the key.
 BATCHING_ONLY = ("packing", "tokens_per_batch", "group_by_length", "shuffle", "cache", "cache_dir", "num_proc")
@@ -144,9 +147,11 @@ def unpack_split(arrays, metas: list[dict], prefix: str) -> list[AnyExample]:
 @contextmanager
 def staged_entry(root: Path, key: str) -> Iterator[Path]:
     """A folder to write the entry `key` into; renamed to root/key once the block completes."""
-    root.mkdir(parents=True, exist_ok=True)
     target = root / key
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    # Staging folders whose writers were killed (claims.py) go first: they were never entries.
+    claims.sweep(root, STAGING)
+    claim = claims.Claim(root, f".{key}-")
+    staging = claim.folder
     try:
         yield staging
         if target.exists():
@@ -158,8 +163,7 @@ def staged_entry(root: Path, key: str) -> Iterator[Path]:
             if not (target / "meta.json").is_file():
                 raise
     finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        claim.release(remove=staging.exists())
 
 
 def write_entry(root: Path, key: str, prepared) -> Path:

@@ -13,15 +13,13 @@ changes. Other methods (pairs, labels, prompts) and vision-language data keep
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import DataError
-from . import cache
+from . import cache, claims
 from .prepared import SKIPPED_SHOWN, DataReport, LoadedData, LoadedDataset, PreparedData, fit_length, \
     record_for_eval, render_options
 from .store import StoreView, StoreWriter, TokenStore, pack
@@ -34,6 +32,7 @@ from .workers import available_cores, ordered_map
 # Stores this process has tokenized: a distributed run's report counts them per rank (shared.py), so a rank
 # that tokenized when it should only have mapped shows.
 BUILT = [0]
+SCRATCH = r"store-.*"   # an uncached store's folder under <cache_dir>/.scratch
 CHUNK = 512    # records per job: the tokenizer's batch size, and small enough to keep a worker's memory flat
 
 
@@ -220,20 +219,22 @@ def prepare_store(cfg, tokenizer, loaded: LoadedData, has_template: bool, key: s
             cache.finish_store_entry(folder, key, meta, train, val, prepared)
         return prepared, root / key
     scratch = root / ".scratch"
-    scratch.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="store-", dir=scratch))
+    # Stores whose writers were killed before removing them (claims.py): gone before another is written.
+    claims.sweep(scratch, SCRATCH)
+    claim = claims.Claim(scratch, "store-")
+    folder = claim.folder
     try:
         prepared, meta, train, val = _build(cfg, tokenizer, loaded, has_template, folder, warnings)
         prepared.report.cache = "fresh" if key is not None else "off"
         if keep_scratch:
             cache.finish_store_entry(folder, key or "scratch", meta, train, val, prepared)
     except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
+        claim.release()
         raise
     if not keep_scratch:
         # An open map keeps its file's data after the name is gone (POSIX): nothing is left on disk, even
         # when the run is killed later. (Windows refuses to remove a mapped file: ignore_errors.)
-        shutil.rmtree(folder, ignore_errors=True)
+        claim.release()
     return prepared, folder
 
 

@@ -19,13 +19,12 @@ measured, not assumed.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import MudpuppyError
-from . import cache, pipeline
+from . import cache, claims, pipeline
 from .prepared import DataReport, PreparedData
 
 
@@ -50,7 +49,7 @@ def prepare_shared(ranks, prepare_here: Callable[[], tuple[PreparedData, Path, b
         built = ranks.gather(pipeline.BUILT[0] - built_before)      # every rank has mapped the store by now
     finally:
         if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+            claims.release(scratch)
     prepared.report.tokenized_by = [r for r, n in enumerate(built) if n]
     prepared.report.mapped_by = ranks.world
     return prepared
