@@ -112,6 +112,11 @@ def edge_rows(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         "half_zero": half * 0.1,
         "outliers": spikes,
         "sparse": np.where(rng.random(n) < 0.9, 0, normal).astype(np.float32),
+        # zeros of both signs and values on a coarse grid: the ties and the sign of zero the C keeps
+        "signed_zeros": np.where(rng.random(n) < 0.5, 0.0, -0.0).astype(np.float32),
+        "signed_zeros_sparse": np.where(rng.random(n) < 0.97, np.where(rng.random(n) < 0.5, 0.0, -0.0),
+                                        np.abs(normal)).astype(np.float32),
+        "ties": (np.round(normal * 8) / 16).astype(np.float32),
     }
 
 
