@@ -34,6 +34,7 @@ class DatasetSpec(_Strict):
     type: Literal[DATASET_TYPES] = "auto"  # type: ignore[valid-type]
     split: str = Field("train", description="hub datasets: which split to read")
     subset: str | None = Field(None, description="hub datasets: the configuration (subset) name")
+    streaming: bool = Field(False, description="hub datasets: read rows as they download, nothing prepared on disk first")
     field_map: dict[str, str] = Field(default_factory=dict, description="source field -> our field")
     roles_to_train: list[Literal["system", "user", "assistant", "tool"]] = ["assistant"]
     train_on_inputs: bool = Field(False, description="prompt tokens carry loss too")
@@ -55,9 +56,12 @@ class DatasetSpec(_Strict):
     def _unset_ratio_left_out(self, handler):
         # A run checkpointed before `ratio` existed records no such key for its datasets; --resume reads a key
         # one side lacks inside a list as a change (resume_changes.compare): an unset ratio stays out of dumps.
+        # So does an unset `streaming`, which also keeps the data cache keys of earlier runs.
         dumped = handler(self)
         if isinstance(dumped, dict) and dumped.get("ratio") is None:
             dumped.pop("ratio", None)
+        if isinstance(dumped, dict) and dumped.get("streaming") is False:
+            dumped.pop("streaming", None)
         return dumped
 
 

@@ -22,7 +22,8 @@ from .prepared import (  # noqa: F401  (re-exported: evaluation and training imp
     EVAL_TOOL_FORMAT, SKIPPED_SHOWN, DataReport, LoadedData, LoadedDataset, PreparedData, fit_length,
     record_for_eval, render_options,
 )
-from .readers import is_local, read_source
+from .readers import is_local
+from .sources import read_source
 from .templates import apply_chat_template_choice, template_warnings
 from .tokenize import needs_template, tokenize_records, tool_format_for
 from .tools import uses_tools
@@ -52,10 +53,10 @@ def load_dataset(cfg, spec, images: bool = False, stream: bool = False) -> Loade
     if "tool" in spec.roles_to_train:
         raise DataError(name, None, "roles_to_train includes 'tool', but tool results never carry loss: they are "
                                     "what a tool returned, not what the model writes; leave 'tool' out")
-    if stream and not images and streamable(path):
+    if stream and not images and streamable(path, spec):
         return scan_dataset(cfg, spec, path, name)
     raw = read_source(path, name, split=spec.split, subset=spec.subset, tolerant=tolerant,
-                      max_record_bytes=cfg.data.max_record_bytes)
+                      max_record_bytes=cfg.data.max_record_bytes, streaming=spec.streaming)
     raw.records = raw.records[: spec.num_samples]
     for rec in raw.records:
         rec.data = rename_fields(rec.data, spec.field_map)

@@ -27,7 +27,8 @@ from pathlib import Path
 from ..errors import DataError
 from .formats import detect_format, normalize_record, rename_fields
 from .limits import oversize
-from .readers import Problem, RawSource, Record, data_suffix, parse_json_line, record_error
+from .readers import Problem, RawSource, Record, data_suffix, is_local, parse_json_line, record_error
+from .sources import source_records
 from .tools import uses_tools
 
 DETECT = 1000          # records the format is detected on (today's rule, all records, for files this short)
@@ -48,15 +49,10 @@ def _compression(path: Path) -> str | None:
     return next((k for magic, k in _MAGIC.items() if head.startswith(magic)), None)
 
 
-def streamable(path: Path) -> bool:
-    """A local JSON-lines file this module reads (else `readers.read_file` does, whole)."""
-    if not path.is_file() or data_suffix(path) not in (".jsonl", ".ndjson"):
-        return False
-    if path.suffix.lower() in (".zst", ".zip"):
-        return False
-    with _open(path, path.name) as f:
-        head = f.read(4)
-    return not head.startswith(_WIDE_BOMS)
+def streamable(path: Path, spec=None) -> bool:
+    """A dataset this module reads record by record: any local data file (JSON lines split here, other
+    formats read by sources.py), or, given its `spec`, a hub dataset."""
+    return path.is_file() if is_local(path) else spec is not None
 
 
 def _open(path: Path, display: str):
@@ -142,8 +138,14 @@ def _hash(digest, data: bytes) -> None:
         digest.update(data)
 
 
-def records(path: Path, display: str, tolerant: bool, limit: int, digest=None) -> Iterator[Record | Problem]:
-    """Each line as a Record, or (with `tolerant`) a Problem; without `tolerant` a bad line raises."""
+def records(path: Path, display: str, tolerant: bool, limit: int, digest=None,
+            spec=None) -> Iterator[Record | Problem]:
+    """Each line as a Record, or (with `tolerant`) a Problem; without `tolerant` a bad line raises. Files
+    other than UTF-8 JSON lines (plain, gzip, bzip2, xz), and the hub dataset a `spec` names, are read
+    record by record by sources.py."""
+    if not _split_here(path, display):
+        yield from source_records(path, display, tolerant, limit, digest, spec)
+        return
     row = 0
     for lineno, body in lines(path, display, limit, digest):
         try:
@@ -156,6 +158,16 @@ def records(path: Path, display: str, tolerant: bool, limit: int, digest=None) -
         if data is not None:
             row += 1
             yield Record(data, row, lineno)
+
+
+def _split_here(path: Path, display: str) -> bool:
+    """A local UTF-8 JSON-lines file, plain or gzip/bzip2/xz-compressed, that lines() reads."""
+    if not (is_local(path) and path.is_file() and data_suffix(path) in (".jsonl", ".ndjson")):
+        return False
+    if path.suffix.lower() in (".zst", ".zip"):
+        return False
+    with _open(path, display) as f:
+        return not f.read(4).startswith(_WIDE_BOMS)
 
 
 def parse_line(body: bytes | int, display: str, lineno: int, limit: int) -> dict | None:
@@ -195,7 +207,7 @@ class Scan:
 def _renamed(path: Path, name: str, spec, tolerant: bool, limit: int, digest=None) -> Iterator[Record | Problem]:
     """Records with the dataset's field_map applied, and problems; the first num_samples records only."""
     taken = 0
-    for item in records(path, name, tolerant, limit, digest):
+    for item in records(path, name, tolerant, limit, digest, spec):
         if isinstance(item, Record):
             if spec.num_samples is not None and taken >= spec.num_samples:
                 return

@@ -14,7 +14,7 @@ import yaml
 
 from mudpuppy.config import DataConfig
 from mudpuppy.data import prepare_sft_data
-from mudpuppy.data.readers import read_file
+from mudpuppy.data.sources import read_file
 from mudpuppy.errors import DataError
 
 LIMIT = 1000

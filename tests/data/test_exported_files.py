@@ -13,7 +13,8 @@ import zipfile
 
 import pytest
 
-from mudpuppy.data.readers import is_local, read_file, read_source
+from mudpuppy.data.readers import is_local
+from mudpuppy.data.sources import read_file, read_source
 from mudpuppy.errors import DataError
 
 RECORDS = [

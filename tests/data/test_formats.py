@@ -30,7 +30,7 @@ def test_each_format_is_detected_from_its_example_record(fmt):
 
 @pytest.mark.parametrize("fmt,filename", list(SAMPLE_FILES.items()))
 def test_each_sample_file_is_detected_and_valid(fmt, filename):
-    from mudpuppy.data.readers import read_file
+    from mudpuppy.data.sources import read_file
 
     raw = read_file(SAMPLES / filename, filename)
     assert detect_format(raw) == fmt

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mudpuppy.data.readers import read_file, read_source
+from mudpuppy.data.sources import read_file, read_source
 from mudpuppy.errors import DataError
 
 
