@@ -14,9 +14,11 @@ convert_hf_to_gguf.py:
     tensor types    1-D tensors, norms and routers F32; the rest at --quant (f32, f16, bf16, q8_0,
                     q4_0); a row length that is not a multiple of the 32-value block stays F16; in
                     q4_0 the output matrix (token_embd when tied) is Q8_0, where llama-quantize
-                    would pick Q6_K (Q8_0 for rows not a multiple of 256), which gguf cannot write
-    K-quants        q4_k_m, q5_k_m, q6_k, ...: the f16 file is handed to an installed
-                    `llama-quantize` found on PATH; without one, a clear error
+                    would pick Q6_K (Q8_0 for rows not a multiple of 256)
+    K-quants        q2_k ... q6_k, q4_k_m ...: each tensor's type as llama-quantize chooses it
+                    (kquant_recipes.py), its blocks written by kquants.py byte-identical to
+                    llama.cpp's quantizer, with an importance matrix (imatrix.py) when given one;
+                    tensors in llama-quantize's order (by layer, then name)
 
 Tensors are streamed: the header is written from the safetensors headers, then each tensor is
 read, converted and written in turn, so only one tensor (one layer's experts) is held in memory.
@@ -27,8 +29,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,13 +39,12 @@ from ..errors import MudpuppyError
 from .gguf_families import (FAMILIES, Family, head_dim, notes_of, problems_of, range_problems, rope_parameters,
                             written_problems)
 from .gguf_vocab import Vocab, build_vocab
+from .kquant_plan import plan_k_quant
+from .kquant_recipes import FILE_TYPES as K_FILE_TYPES
 from .tensors import StoredTensor, model_tensors
 
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0")
-K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
-LLAMA_QUANTIZE = "llama-quantize"
-
-
+K_QUANTS = tuple(K_FILE_TYPES)
 
 
 def supported_architectures() -> str:
@@ -56,21 +55,13 @@ def check_quant(quant: str) -> str:
     q = quant.lower()
     if q in QUANTS or q in K_QUANTS:
         return q
-    raise MudpuppyError(f"--quant {quant}: GGUF quantizations are {', '.join(QUANTS)} (written here) and the "
-                        f"K-quants {', '.join(K_QUANTS)} (through an installed {LLAMA_QUANTIZE})")
+    raise MudpuppyError(f"--quant {quant}: GGUF quantizations are {', '.join(K_QUANTS + QUANTS)}")
 
 
-def check_k_quant_tool(quant: str) -> str | None:
-    """The llama-quantize executable a K-quant needs; None for the types written here."""
-    if quant not in K_QUANTS:
-        return None
-    tool = shutil.which(LLAMA_QUANTIZE)
-    if tool is None:
-        raise MudpuppyError(
-            f"--quant {quant} is a K-quant, which only llama.cpp's {LLAMA_QUANTIZE} writes, and none is on PATH. "
-            f"Install llama.cpp's tools (a release binary or your package manager; mudpuppy never builds it), "
-            f"or export with --quant q8_0 or q4_0, which need nothing else")
-    return tool
+def check_k_quant_tool(quant: str) -> None:
+    """Nothing: K-quants are written here now, with no llama-quantize (kept for export/pipeline.py's
+    preflight, which still calls it)."""
+    check_quant(quant)
 
 
 # --------------------------------------------------------------------------- architecture
@@ -127,11 +118,21 @@ class Planned:
     shape: tuple[int, ...]                    # logical shape (numpy order)
     qtype: Any                                # gguf.GGMLQuantizationType
     load: Callable[[], np.ndarray]            # float32 values, already permuted
+    exact: bool = False                       # a K-quant file's tensor: llama.cpp's own bytes (kquants.py)
+    weights: np.ndarray | None = None         # its importance matrix row ([experts *] columns)
 
     def encode(self) -> np.ndarray:
         from gguf.quants import quantize
 
-        return quantize(np.ascontiguousarray(self.load(), dtype=np.float32), self.qtype)
+        values = np.ascontiguousarray(self.load(), dtype=np.float32)
+        if not self.exact or self.qtype.name in ("F32", "F16", "BF16"):
+            return quantize(values, self.qtype)
+        from .kquants import quantize as quantize_exact
+
+        if self.weights is None or values.ndim < 3:
+            return quantize_exact(values, self.qtype.name, self.weights)
+        per_expert = self.weights.reshape(values.shape[0], values.shape[-1])   # llama-quant.cpp:784-786
+        return np.stack([quantize_exact(v, self.qtype.name, w) for v, w in zip(values, per_expert)])
 
     def info(self) -> tuple[tuple[int, ...], np.dtype, int]:
         """(shape as stored, numpy dtype as stored, bytes) for the header, before any data is read."""
@@ -332,10 +333,12 @@ def names_phi3(name: str) -> bool:
 
 
 def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str, path: Path, name: str,
-               eot_id: int | None = None, base_model: str | None = None) -> dict:
+               eot_id: int | None = None, base_model: str | None = None,
+               imatrix: dict[str, np.ndarray] | None = None) -> dict:
     """Write `model_dir` (a plain HF causal LM) as `path`; returns what was written, for export.json.
     `name` is general.name (`model_name`); `base_model`, the Hub id a fine-tune was trained from, goes
-    to general.base_model.* as llama.cpp's converter writes it."""
+    to general.base_model.* as llama.cpp's converter writes it. `imatrix` (GGUF tensor name -> per-column
+    importance, imatrix.py) weights a K-quant's blocks as llama-quantize's --imatrix does."""
     import gguf
 
     quant = check_quant(quant)
@@ -344,14 +347,17 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
     where = str(model_dir)
     family = family_of(config, where)
     refuse_values(where, "config.json values", range_problems(config))
-    tool = check_k_quant_tool(quant)
+    if imatrix is not None and quant not in K_QUANTS:
+        raise MudpuppyError(f"--imatrix weights K-quants ({', '.join(K_QUANTS)}); --quant {quant} does not use one")
     vocab = build_vocab(tokenizer, int(config["vocab_size"]), chat_template, eot_id)
-    direct = "f16" if tool else quant
-    plan = plan_tensors(config, family, model_tensors(model_dir), direct, where)
-    target = path.with_name(path.stem + ".f16.tmp.gguf") if tool else path
+    if quant in K_QUANTS:
+        plan = plan_k_quant(config, family, plan_tensors(config, family, model_tensors(model_dir), "f16", where),
+                            quant, imatrix, where)
+    else:
+        plan = plan_tensors(config, family, model_tensors(model_dir), quant, where)
 
-    writer = gguf.GGUFWriter(str(target), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
-    add_model_metadata(writer, config, family, direct, name, base_model)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
+    add_model_metadata(writer, config, family, quant, name, base_model)
     add_vocab(writer, vocab)
     refuse_values(where, "GGUF metadata", written_problems(writer))
     for p in plan:
@@ -363,17 +369,16 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
     for p in plan:
         writer.write_tensor_data(p.encode())
     writer.close()
-    if tool:
-        run_llama_quantize(tool, target, path, quant)
-        target.unlink()
     types: dict[str, int] = {}
     for p in plan:
         types[p.qtype.name] = types.get(p.qtype.name, 0) + 1
-    return {"file": path.name, "architecture": gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)],
-            "name": name, "notes": notes_of(family, config), "quant": quant,
-            "tensor_types": types if not tool else {"written by llama-quantize": quant.upper()},
-            "tokenizer": vocab.describe(), "special_ids": vocab.special_ids,
-            "add_bos": vocab.add_bos, "bytes": path.stat().st_size}
+    record = {"file": path.name, "architecture": gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)],
+              "name": name, "notes": notes_of(family, config), "quant": quant, "tensor_types": types,
+              "tokenizer": vocab.describe(), "special_ids": vocab.special_ids,
+              "add_bos": vocab.add_bos, "bytes": path.stat().st_size}
+    if imatrix is not None:
+        record["imatrix_tensors"] = sum(p.weights is not None for p in plan)
+    return record
 
 
 def refuse_values(where: str, what: str, problems: list[str]) -> None:
@@ -383,7 +388,7 @@ def refuse_values(where: str, what: str, problems: list[str]) -> None:
 
 
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
-              "q4_0": "MOSTLY_Q4_0"}
+              "q4_0": "MOSTLY_Q4_0", **{k: v[1] for k, v in K_FILE_TYPES.items()}}
 
 
 def add_model_metadata(writer, config: dict, family: Family, quant: str, name: str,
@@ -466,10 +471,3 @@ def add_vocab(writer, vocab: Vocab) -> None:
         writer.add_add_space_prefix(vocab.add_space_prefix)
     if vocab.chat_template:
         writer.add_chat_template(vocab.chat_template)
-
-
-def run_llama_quantize(tool: str, source: Path, target: Path, quant: str) -> None:
-    done = subprocess.run([tool, str(source), str(target), quant.upper()], capture_output=True, text=True)
-    if done.returncode != 0 or not target.is_file():
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-        raise MudpuppyError(f"{tool} {quant.upper()} failed (exit {done.returncode}):\n{tail}")
