@@ -67,9 +67,27 @@ def resolve_auto(prober: Callable[[str], Availability] = probe) -> Availability:
 def create_backend(name: str = "auto", **options) -> BackendProtocol:
     """Return a ready backend, or raise `BackendUnavailable` saying why and what is available."""
     name = (name or "auto").lower()
-    if options.get("deterministic"):
+    set_here = options.get("deterministic") and name in CUBLAS_BACKENDS and CUBLAS_WORKSPACE not in os.environ
+    if set_here:
         # cuBLAS reads its workspace setting once, at its first call: the GPU probe's matmul.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ[CUBLAS_WORKSPACE] = DETERMINISTIC_WORKSPACE
+    backend = None
+    try:
+        backend = _create(name, options)
+    finally:
+        if set_here and getattr(backend, "name", None) not in CUBLAS_BACKENDS:
+            del os.environ[CUBLAS_WORKSPACE]     # no GPU backend came of it: the environment as it was
+    return backend
+
+
+# training.deterministic on an NVIDIA or AMD GPU needs cuBLAS' (hipBLAS') fixed workspace. It stays set
+# while the backend lives: torch's deterministic switch is process-wide and checks the variable again at
+# every cuBLAS call, so it cannot be scoped narrower than that switch. Nothing else is written.
+CUBLAS_WORKSPACE, DETERMINISTIC_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
+CUBLAS_BACKENDS = ("auto", "cuda", "rocm")
+
+
+def _create(name: str, options: dict) -> BackendProtocol:
     if name == "auto":
         result = resolve_auto()
     elif name not in _REGISTRY:

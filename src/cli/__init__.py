@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import click
 
+from ..noise import import_noise_dropped
 from .checks import preprocess, validate
 from .exports import convert_adapter, export, merge
 from .measure import evaluate, score
@@ -35,6 +36,7 @@ __all__ = ["main", "run", "train", "validate", "preprocess", "evaluate", "score"
 def main():
     """Fine-tune language models on ROCm, CUDA, CPU or MLX from one YAML file."""
     _quiet_libraries()
+    click.get_current_context().with_resource(import_noise_dropped())    # for the command, removed after it
 
 
 def _quiet_libraries() -> None:

@@ -17,6 +17,7 @@ import torch
 from ...config.run import fp8_problem
 from ...data.tokenizers import load_text_tokenizer, save_tokenizer
 from ...errors import MudpuppyError
+from ...noise import import_noise_dropped
 from ..adapters import record_base
 from ..models import resolve_model
 from ..provenance import base_record_of_path
@@ -52,7 +53,6 @@ class TorchBackend(TorchForward):
         if self.ranks.distributed:
             plan.notes.append(f"distributed: rank {self.ranks.rank} of {self.ranks.world}, strategy "
                               f"{plan.distributed.strategy if plan.distributed else 'ddp'}")
-        return_freed_host_memory()    # a model loaded tensor by tensor would otherwise leave the heap at its peak
 
     # ------------------------------------------------------------------ models
     def load_model(self, model_cfg, precision: str = "auto", head: str | None = None, adapter=None) -> TorchModel:
@@ -92,7 +92,9 @@ class TorchBackend(TorchForward):
         # A frozen base computed in fp32 (no native 16-bit matmuls) stays in its 16-bit checkpoint dtype.
         compact = compact_dtype(resolved.path) if (model_cfg.dtype == "auto" and kind not in (None, "none")
                                                    and dtype == torch.float32) else None
-        with quiet_if(head is not None):   # a new head's "missing weights" report is expected, not news
+        return_freed_host_memory()    # a model loaded tensor by tensor would otherwise leave the heap at its peak
+        # A new head's "missing weights" report is expected, not news; torchao's import lines are noise (noise.py).
+        with quiet_if(head is not None), import_noise_dropped():
             model, report = load_model_weights(
                 auto_class, resolved.path, dtype, self.plan.device, self._frozen_planner(adapter, dtype, compact),
                 model_cfg.trust_remote_code, head_kwargs, new_modules=SCALAR_HEADS if head else ())

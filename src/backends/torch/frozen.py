@@ -189,11 +189,9 @@ class FrozenLinear(nn.Linear):
         returned tensor, which a layer may build fresh instead."""
         raise NotImplementedError
 
-    values_on_read = True     # False inside `weight_reads_without_values`
-
     @property
     def weight(self) -> torch.Tensor:
-        if not FrozenLinear.values_on_read:
+        if getattr(_READS, "without_values", False):
             # Shape, dtype and device only: a zero-stride view that costs no memory and no rebuild.
             empty = torch.zeros((), dtype=self.weight_dtype, device=self.compute_device)
             return empty.expand(self.out_features, self.in_features).as_subclass(ReadOnlyWeight)
@@ -295,13 +293,20 @@ def weight_reads_without_values():
     its device, dtype and shape; rebuilding the full weight each time (a 4-bit
     dequantization, or a host-to-device copy) made attaching LoRA to a 1B model
     take minutes. Not for DoRA, whose magnitude starts from the weight's norms.
+
+    Per thread: the server decodes on threads while another may attach an adapter,
+    and a decode must read real values.
     """
-    before = FrozenLinear.values_on_read
-    FrozenLinear.values_on_read = False
+    before = getattr(_READS, "without_values", False)
+    _READS.without_values = True
     try:
         yield
     finally:
-        FrozenLinear.values_on_read = before
+        _READS.without_values = before
+
+
+# Whether this thread is inside `weight_reads_without_values` (False where never set).
+_READS = threading.local()
 
 
 HEAD_ROW_CHUNK = 8192     # vocabulary rows of a tied output head upcast at a time: 64 MB in fp32 at hidden 2048

@@ -53,6 +53,12 @@ def return_freed_host_memory() -> bool:
     Llama under QLoRA: 2.27 GB peak RSS with the default, 1.46 GB with this
     (benchmarks/memory_scale.py). Tensors this large cost a page fault per 4 KiB
     on first touch either way. Returns whether it applied (glibc only).
+
+    Process-wide and for good: glibc has no call that reads the threshold back or
+    returns it to adapting, so it cannot be undone after a scope. It is therefore
+    set where its reason is, when a model loads (TorchBackend.load_model), not
+    when a backend is made: importing mudpuppy or probing a device leaves the C
+    allocator as the process had it.
     """
     if not sys.platform.startswith("linux"):
         return False
