@@ -23,6 +23,7 @@ with the summary (close_trackers, called by training/outputs.write_summary).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -30,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..data.workers import scoped_env
 from ..errors import MudpuppyError
 from .callbacks import Callback
 
@@ -125,17 +127,18 @@ def text_summary(tag: str, text: str):
 
 class MLflow:
     def __init__(self, out: Path, name: str, config: dict, project: str):
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            # MLflow 3 keeps the file store but asks for an explicit opt-in to it; a local
-            # directory needs no server and no database driver.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         import mlflow
 
         self.mlflow = mlflow
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (out / "mlruns").resolve().as_uri()
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(project)
-        self.run = mlflow.start_run(run_name=name)
+        # MLflow 3 keeps the file store but asks for an explicit opt-in to it; a local directory needs no
+        # server and no database driver. It checks once, when the store is made (then cached per address),
+        # so the opt-in holds only while the run starts, and a value the user set is theirs.
+        asked = "MLFLOW_TRACKING_URI" in os.environ or "MLFLOW_ALLOW_FILE_STORE" in os.environ
+        with contextlib.nullcontext() if asked else scoped_env("MLFLOW_ALLOW_FILE_STORE", "true"):
+            mlflow.set_tracking_uri(uri)
+            mlflow.set_experiment(project)
+            self.run = mlflow.start_run(run_name=name)
         params = flatten(config)
         # MLflow caps a param value at 6000 characters and a batch at 100 params.
         items = [(k, v[:500]) for k, v in params.items()]

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from mudpuppy.cli import main
 from mudpuppy.errors import MudpuppyError
-from mudpuppy.training import trackers
+from mudpuppy.monitor import trackers
 
 
 def metrics(out: Path) -> dict[int, float]:
@@ -116,8 +116,10 @@ def test_tracker_files_hold_the_logged_metrics(kind, tiny_config, tmp_path):
 
 
 def test_a_tracker_that_is_not_installed_stops_the_run_before_it_starts(tiny_config, tmp_path, monkeypatch):
-    real = trackers.importlib.util.find_spec
-    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
     tiny_config["logging"] = {"progress_bar": False, "report_to": ["tensorboard", "wandb"]}
     res = run_cli(tiny_config, tmp_path)
     assert res.exit_code == 2
