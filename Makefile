@@ -3,6 +3,7 @@
 #
 #   make demo   # install, then fine-tune SmolLM2-135M-Instruct on the quickstart task
 #   make test   # install, then run the fast test suite (tiny models, no network)
+#   make test-gpu   # the gpu tier (tests marked `gpu`), where torch sees a CUDA or ROCm GPU
 #
 # torch is installed first, from TORCH_SPEC, so that you choose the build:
 #   make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/rocm7.2"   # AMD
@@ -15,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 PIP        := $(BIN)/python -m pip
 
-.PHONY: demo test test-slow test-all install install-test clean
+.PHONY: demo test test-slow test-gpu test-all install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,12 @@ test: install-test
 # Real-model tests (SmolLM2-135M-Instruct): minutes on a CPU.
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# The gpu tier: tests marked `gpu`, which `make test` (pytest's addopts) leaves out. It runs only where
+# torch sees a CUDA or ROCm GPU; elsewhere it says so and fails, rather than pass having run nothing.
+test-gpu: install
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch sees no CUDA or ROCm GPU here (torch ' + torch.__version__ + '), so the gpu tier was not run; install a GPU build with TORCH_SPEC (see make demo)')"
+	$(BIN)/python -m pytest -q -m gpu
 
 test-all: install
 	$(BIN)/python -m pytest -q -m "slow or not slow"
