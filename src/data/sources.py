@@ -18,7 +18,7 @@ from .readers import COMPRESSED_SUFFIXES, LOCAL_SUFFIXES, Problem, RawSource, Re
 from .stream_hub import hub_records
 from .stream_json import json_records, line_records, text_lines
 from .stream_tables import csv_records, parquet_records
-from .text_source import compression, content_suffix, open_content, text_blocks
+from .text_source import compression, content_suffix, first_bad_utf8, open_content, text_blocks
 
 
 def local_format(path: Path, display: str) -> str:
@@ -47,9 +47,13 @@ def file_records(path: Path, display: str, tolerant: bool, limit: int, digest=No
     def blocks(hashed: bool):
         return text_blocks(path, display, digest if hashed else None)
 
-    if suffix in (".jsonl", ".ndjson"):
+    if suffix in (".jsonl", ".ndjson"):        # each line is checked for UTF-8 as it is parsed
         yield from line_records(text_lines(blocks(True), limit), display, tolerant, limit)
-    elif suffix == ".json":
+        return
+    bad = first_bad_utf8(blocks(False))
+    if bad is not None:
+        raise DataError(display, *bad)
+    if suffix == ".json":
         yield from json_records(blocks, display, tolerant, limit)
     else:
         yield from csv_records(blocks, display, "\t" if suffix == ".tsv" else ",", tolerant, limit)

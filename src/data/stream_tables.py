@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from ..errors import DataError
 from .readers import Problem, Record, drop_missing, refuse_duplicate_columns, sized
-from .text_source import BLOCK, not_utf8
+from .text_source import BLOCK
 
 ROWS = 256          # rows parsed at a time
 _NUMBERS = ("Int64", "UInt64", "Float64")
@@ -54,7 +54,8 @@ class BlockReader(io.RawIOBase):
 # --------------------------------------------------------------------------- CSV
 
 def csv_records(blocks, name: str, sep: str, tolerant: bool, limit: int) -> Iterator[Record | Problem]:
-    """Records of CSV text (`blocks(digest)` opens it afresh), each tagged with the line it starts on."""
+    """Records of CSV text (`blocks(hashed)` opens it afresh; the hashed reading fingerprints the file),
+    each tagged with the line it starts on. The text is known to be UTF-8 (sources.py checked it)."""
     dtypes = _column_types(blocks, name, sep)
     _refuse_duplicate_header(blocks(False), name, sep)
     lines = _row_lines(blocks(False), sep)
@@ -91,8 +92,6 @@ def _column_types(blocks, name: str, sep: str) -> dict:
         raise DataError(name, None, "the file holds no records") from None
     except pd.errors.ParserError as exc:
         raise DataError(name, None, f"malformed CSV: {exc}") from None
-    except UnicodeDecodeError:
-        raise DataError(name, *first_bad_utf8(blocks(False))) from None
     return {column: _combined(kinds) for column, kinds in seen.items() if kinds}
 
 
@@ -140,25 +139,6 @@ def _text_lines(blocks) -> Iterator[str]:
         yield from pieces
     if rest:
         yield rest
-
-
-def first_bad_utf8(blocks) -> tuple[int, str]:
-    """(line, description) of the first byte of the text that is not UTF-8 (the text is known to hold one)."""
-    line, column, carry = 1, 0, b""
-    for block in blocks:
-        data = carry + block
-        try:
-            data.decode("utf-8")
-            good, carry = len(data), b""
-        except UnicodeDecodeError as exc:
-            if exc.reason != "unexpected end of data" or exc.end != len(data):
-                blocks.close()
-                return not_utf8(data, exc.start, line, column)
-            good, carry = exc.start, data[exc.start:]
-        nl = data.rfind(b"\n", 0, good)
-        column = good - nl - 1 if nl >= 0 else column + good
-        line += data.count(b"\n", 0, good)
-    return not_utf8(carry, 0, line, column)
 
 
 # --------------------------------------------------------------------------- Parquet
@@ -213,4 +193,4 @@ def _parquet_rows(stream, name: str, tolerant: bool, limit: int) -> Iterator[Rec
         raise DataError(name, None, f"not a readable Parquet file ({exc})") from None
 
 
-__all__ = ["BlockReader", "csv_records", "parquet_records", "first_bad_utf8", "ROWS"]
+__all__ = ["BlockReader", "csv_records", "parquet_records", "ROWS"]

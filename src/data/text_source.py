@@ -183,3 +183,23 @@ def not_utf8(text: bytes, start: int, line: int, column_base: int) -> tuple[int,
     bad = text[start:start + 1]
     return (line + text.count(b"\n", 0, start),
             f"not UTF-8 text (byte {bad!r} at column {column}); re-save the file as UTF-8")
+
+
+def first_bad_utf8(blocks) -> tuple[int, str] | None:
+    """(line, description) of the first byte of the text that is not UTF-8, or None: the whole-file
+    reader checked this before anything else, so a later bad byte still beats an earlier malformed record."""
+    line, column, carry = 1, 0, b""
+    for block in blocks:
+        data = carry + block
+        try:
+            data.decode("utf-8")
+            good, carry = len(data), b""
+        except UnicodeDecodeError as exc:
+            if exc.reason != "unexpected end of data" or exc.end != len(data):
+                blocks.close()
+                return not_utf8(data, exc.start, line, column)
+            good, carry = exc.start, data[exc.start:]
+        nl = data.rfind(b"\n", 0, good)
+        column = good - nl - 1 if nl >= 0 else column + good
+        line += data.count(b"\n", 0, good)
+    return not_utf8(carry, 0, line, column) if carry else None
