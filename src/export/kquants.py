@@ -15,13 +15,19 @@ tests/export/test_kquants.py with the fixtures from benchmarks/kquant_fixtures.p
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from .kquants_search import (F, GROUP_MAX_EPS, first_absmax, first_maxval, first_min, from_fp16, make_q3, make_qkx, make_qp, make_qx,
                              nearest_int, running_sum, to_fp16)
 
 QK_K = 256
-CHUNK = 1 << 20                 # values quantized at once: ~50 MB of temporaries for Q4_K
+# Values quantized at once. 64K keeps each temporary (256 KB) in cache and off mmap: on the 2-core
+# dev machine Q4_K of a 2048 x 2048 matrix took 1.4 s against 2.9 s with 1M-value chunks.
+CHUNK = 1 << 16
+THREADS = min(2, os.cpu_count() or 1)     # numpy releases the GIL inside each operation
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 LEGACY = ("Q4_0", "Q5_0", "Q5_1", "Q8_0")
 BLOCK = {"Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
@@ -341,9 +347,18 @@ def quantize(rows: np.ndarray, qtype: str, quant_weights: np.ndarray | None = No
         qw = np.asarray(quant_weights, dtype=F).reshape(n)
     out = np.empty((flat.shape[0], row_bytes(qtype, n)), np.uint8)
     step = max(1, CHUNK // n)
-    for start in range(0, flat.shape[0], step):
+
+    def one(start: int) -> None:
         chunk = np.ascontiguousarray(flat[start:start + step])
         out[start:start + step] = _quantize_chunk(chunk, qtype, qw).reshape(len(chunk), -1)
+
+    starts = range(0, flat.shape[0], step)
+    if THREADS > 1 and len(starts) > 1:
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(one, starts))
+    else:
+        for start in starts:
+            one(start)
     return out.reshape(*shape[:-1], out.shape[-1])
 
 
