@@ -178,14 +178,16 @@ def _parquet_rows(stream, name: str, tolerant: bool, limit: int) -> Iterator[Rec
     import pyarrow.parquet as pq
 
     try:
-        table = pq.ParquetFile(stream)
+        # Without pre-buffering and threads a row group's columns are read a page at a time, one after another:
+        # measured flat (106 MB peak) from 8 to 23 MB of Parquet, where the defaults grew 125 -> 162 MB.
+        table = pq.ParquetFile(stream, pre_buffer=False, buffer_size=BLOCK)
         columns = table.schema_arrow.names
     except Exception as exc:   # pyarrow raises several unrelated types for a bad file
         raise DataError(name, None, f"not a readable Parquet file ({exc})") from None
     refuse_duplicate_columns(name, columns, None)
     row = 0
     try:
-        for batch in table.iter_batches(batch_size=ROWS):
+        for batch in table.iter_batches(batch_size=ROWS, use_threads=False):
             for values in batch.to_pylist():
                 row += 1
                 yield sized(Record(drop_missing(values), row), name, limit, tolerant)
