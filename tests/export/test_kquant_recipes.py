@@ -103,22 +103,13 @@ def test_llama_quantize_order():
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
-    """A llama-shaped model whose rows are multiples of 256 (hidden 256, MLP 512, 2 layers, tied)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The tests' tiny Llama at hidden 256 (MLP 512, 2 layers, tied): rows that fill 256-value blocks."""
+    from safetensors.numpy import load_file
 
-    from ..conftest import build_tokenizer
+    from ..conftest import build_tiny_model
 
-    path = tmp_path_factory.mktemp("wide-llama")
-    tok = build_tokenizer(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(path, safe_serialization=True)
-    return path, {k: v.detach().numpy() for k, v in model.state_dict().items()}, tok
+    path = build_tiny_model(tmp_path_factory.mktemp("wide-llama"), hidden_size=256)
+    return path, load_file(str(path / "model.safetensors")), None
 
 
 def write(path, quant, out, imatrix=None):
