@@ -29,6 +29,7 @@ from .formats import detect_format, normalize_record, rename_fields
 from .limits import oversize
 from .readers import Problem, RawSource, Record, data_suffix, is_local, parse_json_line, record_error
 from .sources import source_records
+from .stream_json import line_records
 from .tools import uses_tools
 
 DETECT = 1000          # records the format is detected on (today's rule, all records, for files this short)
@@ -146,18 +147,7 @@ def records(path: Path, display: str, tolerant: bool, limit: int, digest=None,
     if not _split_here(path, display):
         yield from source_records(path, display, tolerant, limit, digest, spec)
         return
-    row = 0
-    for lineno, body in lines(path, display, limit, digest):
-        try:
-            data = parse_line(body, display, lineno, limit)
-        except DataError as exc:
-            if not tolerant:
-                raise
-            yield Problem(lineno, exc.detail)
-            continue
-        if data is not None:
-            row += 1
-            yield Record(data, row, lineno)
+    yield from line_records(lines(path, display, limit, digest), display, tolerant, limit)
 
 
 def _split_here(path: Path, display: str) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..errors import DataError
-from .json_window import WS, Window
+from .json_window import Window
 from .limits import DuplicateKey, oversize, unique_keys
 from .readers import Problem, Record, drop_missing, json_kind, parse_json_line, sized
 from .text_source import not_utf8
@@ -257,7 +257,6 @@ def _expect(win: Window, char: bytes) -> None:
     win.pos += 1
 
 
-
 def _object_records(survey: _Survey, blocks, name: str, tolerant: bool, limit: int):
     values = survey.values
     duplicate = DataError(name, None, survey.duplicate) if survey.duplicate else None
@@ -271,7 +270,8 @@ def _object_records(survey: _Survey, blocks, name: str, tolerant: bool, limit: i
     if _column_major(values):
         if duplicate is not None:
             raise duplicate
-        yield from _read_column_major(blocks, name)
+        for record in _read_column_major(blocks):
+            yield sized(record, name, limit, tolerant)
         return
     key = _record_list_key(values)
     if key is None:
@@ -312,7 +312,7 @@ def _columns(blocks) -> list:
         text.close()
 
 
-def _read_column_major(blocks, name: str) -> Iterator[Record]:
+def _read_column_major(blocks) -> Iterator[Record]:
     text = b"".join(blocks(True)).decode("utf-8")
     whole = json.loads(text)
     index = list(next(iter(whole.values())))
@@ -385,4 +385,4 @@ def line_records(lines, display: str, tolerant: bool, limit: int) -> Iterator[Re
             yield Record(data, row, lineno)
 
 
-__all__ = ["json_records", "array_records", "line_records", "text_lines", "parse_value", "WS"]
+__all__ = ["json_records", "array_records", "line_records", "text_lines", "parse_value"]
