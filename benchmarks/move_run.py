@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-FAULT_ENV = "MUDPUPPY_FAULT_AFTER_STEP"        # training/loop.py: SIGKILL right after this step's checkpoint
+sys.path.insert(0, str(REPO))                  # tests.faults: a callback that SIGKILLs right after a step's checkpoint
+from tests.faults import kill_after  # noqa: E402
 
 
 def overrides(total: int, every: int, out: Path) -> list[str]:
@@ -40,7 +41,7 @@ def overrides(total: int, every: int, out: Path) -> list[str]:
 def leg(backend: str, total: int, every: int, out: Path, stop_after: int | None, resume: bool) -> None:
     cmd = [sys.executable, "-m", "mudpuppy", "run", "-c", str(REPO / "configs" / "quickstart.yaml"),
            "--backend", backend, *overrides(total, every, out), *(["--resume"] if resume else [])]
-    env = {**os.environ, **({FAULT_ENV: str(stop_after)} if stop_after else {})}
+    env = {**os.environ, **(kill_after(stop_after) if stop_after else {})}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     killed = stop_after is not None and done.returncode == -9
     if done.returncode != 0 and not killed:

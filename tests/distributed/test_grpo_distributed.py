@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from mudpuppy.training import checkpoints
-from mudpuppy.training.loop import FAULT_ENV
 
 from ..conftest import QUICKSTART_DATA, tiny_run_config
+from ..faults import kill_after
 from ..training.test_grpo import grpo_config
 from .test_torch_distributed import TOL, assert_same_adapter, launch, one_process
 
@@ -126,7 +126,7 @@ def test_a_two_process_checkpoint_inside_a_generation_resumes_in_one_process(ref
     out = tmp_path / "broken"
     cfg = config(tiny_config, out, 2, **CASES["grpo"])
     cfg["training"]["save_steps"] = 1
-    killed = launch(cfg, tmp_path / "broken.yaml", env={FAULT_ENV: "3"})
+    killed = launch(cfg, tmp_path / "broken.yaml", env=kill_after(3))
     assert killed.returncode != 0
     saved = checkpoints.list_checkpoints(out)[-1]
     assert saved.name == "step-00000003"

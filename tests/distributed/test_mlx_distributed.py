@@ -34,9 +34,9 @@ def test_two_mlx_processes_equal_one_at_the_same_global_batch(tiny_model_dir, tm
 
 
 def test_a_failing_mlx_rank_stops_the_run_with_its_message(tiny_model_dir, tmp_path):
-    from mudpuppy.training.loop import FAULT_ENV, FAULT_RANK_ENV
+    from ..faults import kill_after
 
     cfg = mlx_config(tiny_model_dir, tmp_path, tmp_path / "broken", 2)
-    done = launch(cfg, tmp_path / "broken.yaml", env={FAULT_ENV: "2", FAULT_RANK_ENV: "1"})
+    done = launch(cfg, tmp_path / "broken.yaml", env=kill_after(2, rank=1))
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith("error: rank 1 failed: killed by SIGKILL"), done.stderr

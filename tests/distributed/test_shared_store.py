@@ -14,8 +14,8 @@ import sys
 import numpy as np
 import yaml
 
-from mudpuppy.training.loop import FAULT_ENV, FAULT_RANK_ENV
 
+from ..faults import kill_after
 from .test_torch_distributed import TOL, _tiny, launch, losses, one_process, sft_config
 
 ONE_RANK = "token store: tokenized by rank 0; mapped by 2 ranks"
@@ -47,7 +47,7 @@ def test_one_rank_tokenizes_both_map_and_a_resume_trains_the_same_batches(tiny_m
     pre = subprocess.run([sys.executable, "-m", "mudpuppy", "preprocess", str(tmp_path / "resumed.yaml"), "-n", "0"],
                          capture_output=True, text=True, timeout=300)
     assert pre.returncode == 0, pre.stderr[-3000:]
-    killed = launch(cfg, tmp_path / "resumed.yaml", env={FAULT_ENV: "3", FAULT_RANK_ENV: "1"})
+    killed = launch(cfg, tmp_path / "resumed.yaml", env=kill_after(3, rank=1))
     assert killed.returncode != 0 and killed.stdout.count(REUSED) == 1, killed.stdout
     resumed = launch(cfg, tmp_path / "resumed.yaml", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -23,9 +23,9 @@ from safetensors.numpy import load_file
 
 from mudpuppy import create_backend, load_config, run
 from mudpuppy.training import checkpoints
-from mudpuppy.training.loop import FAULT_ENV, FAULT_RANK_ENV
 
 from ..conftest import QUICKSTART_DATA
+from ..faults import kill_after
 
 STEPS = 6
 TOL = 1e-5
@@ -117,7 +117,7 @@ def test_two_processes_equal_one_at_the_same_global_batch(strategy, micro, accum
 def test_a_rank_killed_mid_run_resumes_to_the_uninterrupted_losses(reference, tiny_model_dir, tmp_path):
     out = tmp_path / "broken"
     cfg = sft_config(_tiny(tiny_model_dir, tmp_path), out, micro=2, save_steps=3)
-    killed = launch(cfg, tmp_path / "broken.yaml", env={FAULT_ENV: "3", FAULT_RANK_ENV: "1"})
+    killed = launch(cfg, tmp_path / "broken.yaml", env=kill_after(3, rank=1))
     assert killed.returncode != 0
     message = killed.stderr.strip().splitlines()[-1]
     assert message.startswith("error: rank 1 failed: killed by SIGKILL; every process was stopped"), killed.stderr
@@ -136,7 +136,7 @@ def test_an_fsdp_checkpoint_of_two_processes_resumes_in_one(reference, tiny_mode
     out = tmp_path / "sharded"
     cfg = sft_config(_tiny(tiny_model_dir, tmp_path), out, micro=2, save_steps=3)
     cfg["distributed"] = {"strategy": "fsdp"}
-    killed = launch(cfg, tmp_path / "sharded.yaml", env={FAULT_ENV: "3"})
+    killed = launch(cfg, tmp_path / "sharded.yaml", env=kill_after(3))
     assert killed.returncode != 0
     assert [c.name for c in checkpoints.list_checkpoints(out)] == ["step-00000003"]
 

@@ -21,8 +21,9 @@ from mudpuppy import create_backend, load_config, run
 from mudpuppy.backends import portable_state
 from mudpuppy.errors import MudpuppyError
 from mudpuppy.training import checkpoints
-from mudpuppy.training.loop import FAULT_ENV, Interrupted
+from mudpuppy.training.loop import Interrupted
 
+from ..faults import kill_after
 from .test_grpo import grpo_config
 from .test_preference_mlx import run_config as preference_config
 
@@ -229,7 +230,7 @@ def test_a_dcp_checkpoint_of_two_torch_processes_resumes_in_one_mlx_process(tiny
 
     cfg = sft_config(tiny_config, tmp_path / "moved", micro_batch_size=2)
     cfg["distributed"] = {"strategy": "fsdp"}
-    killed = launch(cfg, tmp_path / "moved.yaml", env={FAULT_ENV: str(K)})
+    killed = launch(cfg, tmp_path / "moved.yaml", env=kill_after(K))
     assert killed.returncode != 0
     ckpt = checkpoints.newest_checkpoint(tmp_path / "moved")
     assert ckpt.name == f"step-{K:08d}" and (ckpt / "sharded" / ".metadata").is_file()

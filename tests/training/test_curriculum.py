@@ -17,9 +17,9 @@ from mudpuppy import create_backend, load_config, load_curriculum, run_curriculu
 from mudpuppy.config import ConfigError
 from mudpuppy.data.batch import collate
 from mudpuppy.errors import OutputExists
-from mudpuppy.training.loop import FAULT_ENV
 
 from ..conftest import QUICKSTART_DATA
+from ..faults import kill_after
 
 
 def quiet(*_):
@@ -130,7 +130,7 @@ def test_a_curriculum_killed_in_stage_two_resumes_to_the_same_adapter(tiny_model
     straight.write_text(yaml.safe_dump(curriculum(tiny_model_dir, tmp_path / "straight")))
     broken.write_text(yaml.safe_dump(curriculum(tiny_model_dir, tmp_path / "broken")))
     assert _cli(straight).returncode == 0
-    killed = _cli(broken, env={FAULT_ENV: "3"})            # stage 1 has 2 steps; stage 2 dies after its step 3
+    killed = _cli(broken, env=kill_after(3))            # stage 1 has 2 steps; stage 2 dies after its step 3
     assert killed.returncode == -signal.SIGKILL
     assert (tmp_path / "broken" / "stage-1-intents" / "run_summary.json").is_file()
     assert not (tmp_path / "broken" / "stage-2-more-intents" / "run_summary.json").is_file()

@@ -19,10 +19,10 @@ from mudpuppy import create_backend, load_config, run
 from mudpuppy.backends.protocol import Sampling
 from mudpuppy.config import ModelConfig
 from mudpuppy.errors import ConfigError, MudpuppyError
-from mudpuppy.training.loop import FAULT_ENV
 from mudpuppy.training.rollout import RolloutBatcher, completion_batch
 
 from ..conftest import QUICKSTART_DATA
+from ..faults import kill_after
 from .test_resume import cli
 
 RL_DATA = QUICKSTART_DATA / "sample_rl.jsonl"
@@ -129,15 +129,17 @@ def test_decoding_on_a_cpu_packs_grouped_query_heads_instead_of_sdpa_enable_gqa(
     greedy = backend.generate(handle, prompts, 6, [])
     decode = [c for c in calls if c[0] * c[1] == 4 and c[2] == 2]      # 4 query heads x 1 position
     assert decode and all(c == (2, 2, 2, False) for c in decode)     # [rows, kv heads, group, dim]
-    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
     from mudpuppy.backends.torch.attention import packed_kv_heads_at_decode
 
     cpu = torch.device("cpu")
-    with packed_kv_heads_at_decode(cpu):                    # nested holders (a server thread beside a run)
+    with packed_kv_heads_at_decode(cpu):                    # nested holders (tests/backends/test_process_scope.py: threads)
         with packed_kv_heads_at_decode(cpu):
             pass
-        assert "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping    # still held by the outer one
-    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward     # still held by the outer one
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
     monkeypatch.setattr(sampling, "packed_kv_heads_at_decode", lambda device: contextlib.nullcontext())
     calls.clear()
     assert backend.sample(handle, prompts, 6, [], Sampling(top_k=1), seed=3) == packed
@@ -297,7 +299,7 @@ def test_sigkill_then_resume_gives_the_same_rewards_and_losses(tiny_config, tmp_
         path.write_text(yaml.safe_dump(cfg))
         runs[name] = path
     assert cli(runs["straight"]).returncode == 0
-    killed = cli(runs["broken"], env={FAULT_ENV: "3"})
+    killed = cli(runs["broken"], env=kill_after(3))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     resumed = cli(runs["broken"], "--resume")
     assert resumed.returncode == 0, resumed.stderr

@@ -16,7 +16,9 @@ from safetensors.numpy import load_file
 from mudpuppy import create_backend, load_config, run
 from mudpuppy.errors import MudpuppyError, OutputExists
 from mudpuppy.training import checkpoints
-from mudpuppy.training.loop import FAULT_ENV, Interrupted, TrainingDiverged
+from mudpuppy.training.loop import Interrupted, TrainingDiverged
+
+from ..faults import kill_after
 
 K = 4
 
@@ -47,7 +49,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tiny_config, tmp_path)
         (tmp_path / f"{out.name}.yaml").write_text(yaml.safe_dump(resume_config(tiny_config, out)))
 
     assert cli(tmp_path / "straight.yaml").returncode == 0
-    killed = cli(tmp_path / "broken.yaml", env={FAULT_ENV: str(K)})
+    killed = cli(tmp_path / "broken.yaml", env=kill_after(K))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert [c.name for c in checkpoints.list_checkpoints(broken)] == [f"step-{K:08d}"]
     assert not (broken / "run_summary.json").exists()

@@ -279,7 +279,7 @@ def test_sigkill_then_resume_on_mlx_matches_an_uninterrupted_run(tiny_config, tm
     import subprocess
     import sys
 
-    from mudpuppy.training.loop import FAULT_ENV
+    from ...faults import kill_after
     from safetensors.numpy import load_file
 
     def config(out):
@@ -297,7 +297,7 @@ def test_sigkill_then_resume_on_mlx_matches_an_uninterrupted_run(tiny_config, tm
 
     straight, broken = config(tmp_path / "straight"), config(tmp_path / "broken")
     assert cli(straight).returncode == 0
-    killed = cli(broken, env={FAULT_ENV: "3"})
+    killed = cli(broken, env=kill_after(3))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     resumed = cli(broken, "--resume")
     assert resumed.returncode == 0, resumed.stderr
