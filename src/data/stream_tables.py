@@ -10,9 +10,9 @@ row group, ROWS rows at a time, with pyarrow.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
-import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -147,7 +147,7 @@ def parquet_records(stream, seekable: bool, name: str, tolerant: bool, limit: in
                     digest=None) -> Iterator[Record | Problem]:
     """Records of a Parquet file, by row group. A file read out of an archive (not seekable) is first
     copied to a temporary file, a block at a time: Parquet is read from its end."""
-    with tempfile.TemporaryFile() if not seekable else _nothing() as spool:
+    with tempfile.TemporaryFile() if not seekable else contextlib.nullcontext() as spool:
         if spool is not None:
             _copy(stream, spool, digest)
             stream = spool
@@ -164,14 +164,6 @@ def _copy(stream, into, digest) -> None:
         if into is not None:
             into.write(block)
     (into or stream).seek(0)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _parquet_rows(stream, name: str, tolerant: bool, limit: int) -> Iterator[Record | Problem]:
