@@ -164,3 +164,18 @@ def gguf_entries(sums: dict[str, tuple[np.ndarray, int]], arch: str, n_layer: in
         if target is not None:
             out[target] = Stats(np.asarray(total, dtype=np.float64).reshape(1, -1), np.asarray([rows], np.int64))
     return out
+
+
+def stats_for_model(sums: dict[str, tuple[np.ndarray, int]], config: dict, where: str) -> dict[str, Stats]:
+    """`gguf_entries` for the model whose config.json is `config`: its family's arch and layer count,
+    and whether its GGUF has no output.weight (a tied head in a family that does not write one)."""
+    from .gguf import family_of
+
+    family = family_of(config, where)
+    head_is_token_embd = bool(config.get("tie_word_embeddings", False)) and family.output != "required"
+    return gguf_entries(sums, family.arch, int(config["num_hidden_layers"]), head_is_token_embd)
+
+
+def quant_weights(stats: dict[str, Stats]) -> dict[str, np.ndarray]:
+    """What export/gguf.write_gguf takes as `imatrix`, from collected statistics."""
+    return {name: s.weights() for name, s in stats.items()}

@@ -3,13 +3,15 @@ written, and one collected from a tiny model equal to the inputs' squares comput
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
 import pytest
 
 from mudpuppy.errors import MudpuppyError
-from mudpuppy.export.imatrix import Stats, gguf_entries, read_imatrix, write_imatrix
+from mudpuppy.export.imatrix import (Stats, gguf_entries, quant_weights, read_imatrix, stats_for_model,
+                                     write_imatrix)
 
 
 def legacy_bytes(entries: dict[str, tuple[int, np.ndarray]], chunks: int | None, dataset: str | None) -> bytes:
@@ -108,5 +110,8 @@ def test_collected_from_a_tiny_model(tiny_model_dir):
     entries = gguf_entries(got, "LLAMA", model.config.num_hidden_layers, head_is_token_embd=True)
     assert {"blk.0.attn_q.weight", "blk.1.ffn_down.weight", "token_embd.weight"} <= set(entries)
     assert "output.weight" not in entries
-    np.testing.assert_allclose(entries["blk.0.attn_q.weight"].weights(), (expect_q / 9).astype(np.float32),
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert set(stats_for_model(got, config, "tiny")) == set(entries)         # tied head, llama: no output.weight
+    assert set(gguf_entries(got, "LLAMA", 2, head_is_token_embd=False)) - set(entries) == {"output.weight"}
+    np.testing.assert_allclose(quant_weights(entries)["blk.0.attn_q.weight"], (expect_q / 9).astype(np.float32),
                                rtol=1e-6)
