@@ -30,6 +30,7 @@ from .limits import oversize
 from .readers import Problem, RawSource, Record, data_suffix, is_local, parse_json_line, record_error
 from .sources import source_records
 from .stream_json import line_records
+from .text_source import compression
 from .tools import uses_tools
 
 DETECT = 1000          # records the format is detected on (today's rule, all records, for files this short)
@@ -154,7 +155,7 @@ def _split_here(path: Path, display: str) -> bool:
     """A local UTF-8 JSON-lines file, plain or gzip/bzip2/xz-compressed, that lines() reads."""
     if not (is_local(path) and path.is_file() and data_suffix(path) in (".jsonl", ".ndjson")):
         return False
-    if path.suffix.lower() in (".zst", ".zip"):
+    if path.suffix.lower() == ".zip" or compression(path) == ".zst":     # zstd: by suffix or first bytes
         return False
     with _open(path, display) as f:
         return not f.read(4).startswith(_WIDE_BOMS)

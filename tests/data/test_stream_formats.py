@@ -332,6 +332,17 @@ def test_sft_streams_every_format_to_the_records_read_whole(make_cfg, write, tmp
                 (whole.format, whole.skipped, whole.fingerprint), path.name
 
 
+def test_sft_streams_zstd_json_lines_even_misnamed(make_cfg, write, monkeypatch):
+    """zstd is not split by stream.lines(): a .jsonl holding zstd (known by its first bytes) goes to sources.py."""
+    zstandard = pytest.importorskip("zstandard")
+    monkeypatch.setattr(stream, "KEEP", 0)
+    text = (SAMPLES / "sample_sharegpt.jsonl").read_bytes()
+    cfg = make_cfg([write("misnamed.jsonl", zstandard.ZstdCompressor().compress(text))])
+    streamed, whole = load_dataset(cfg, cfg.data.datasets[0], stream=True), load_dataset(cfg, cfg.data.datasets[0])
+    assert [(r.line, r.data) for chunk in streamed.chunks(2) for r in chunk] == \
+        [(r.line, r.data) for r in whole.records]
+
+
 # --------------------------------------------------------------------------- hub datasets
 
 @pytest.fixture()
