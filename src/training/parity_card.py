@@ -1,6 +1,6 @@
 """A parity result as a "Runtime parity" section of a run's model card (README.md), and as JSON.
 
-The card is the one a finished run writes (training/report.py); this module
+The card is the one a finished run writes (monitor/report.py); this module
 adds or replaces its own section and leaves the rest of the file as it was,
 so running `mudpuppy parity --card` again updates the section in place. The
 file is written beside itself and renamed over it: a reader never sees half.

@@ -320,7 +320,7 @@ def test_exports_carry_a_card_the_record_and_a_gguf_named_after_the_model(hub_ru
 
 
 def test_a_run_card_for_an_alias_names_the_hub_model_and_the_gguf(tmp_path, monkeypatch):
-    from mudpuppy.training.report import model_card
+    from mudpuppy.monitor.report import model_card
 
     monkeypatch.setattr(models, "RESOLVED", {})
     cfg = {"model": {"base_model": ALIAS}, "method": "sft", "adapter": {"type": "lora"}}

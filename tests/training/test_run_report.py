@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mudpuppy.monitor.progress import PlainProgress, progress_bar
-from mudpuppy.training.report import model_card, smooth, write_charts
+from mudpuppy.monitor.report import model_card, smooth, write_charts
 
 
 def png_size(path) -> tuple[int, int]:
