@@ -289,10 +289,11 @@ def scan(path: Path, name: str, spec, tolerant: bool, limit: int) -> Scan:
     return scanner.finish(digest.hexdigest())
 
 
-def reread(path: Path, name: str, spec, fmt: str, tolerant: bool, limit: int, until: int | None = None) -> Reread:
+def reread(path: Path, name: str, spec, fmt: str, tolerant: bool, limit: int, until: int | None = None
+           ) -> Reread:
     """Pass two: the records the scan counted, normalized, in file order (bad ones were counted then);
     `until`, the scan's `last_line`, where num_samples stopped it."""
-    return Reread(path, LineParser(name, spec.field_map, fmt, tolerant, limit), until, spec.num_samples)
+    return Reread(path, LineParser(name, spec.field_map, fmt, tolerant, limit), spec, until)
 
 
 @dataclass(frozen=True)
@@ -313,20 +314,22 @@ class LineParser:
         for lineno, body in lines:
             try:
                 data = parse_line(body, self.name, lineno, self.limit)
-                if data is None:
-                    continue
-                data = normalize_record(self.fmt, rename_fields(data, self.field_map))
             except DataError:
                 if self.tolerant:
                     continue
                 raise                       # the file changed since the scan
-            except ValueError as exc:
-                if self.tolerant:
-                    continue
-                raise record_error(self.name, Record(data, row, lineno), str(exc)) from None
-            out.append(Record(data, row, lineno))
-            row += 1
+            if data is not None:
+                out += self.normalized(Record(rename_fields(data, self.field_map), row + len(out), lineno))
         return out
+
+    def normalized(self, item: Record) -> list[Record]:
+        """The record in its format's normal form; none where it is bad and bad records are tolerated."""
+        try:
+            return [Record(normalize_record(self.fmt, item.data), item.row, item.line)]
+        except ValueError as exc:
+            if self.tolerant:
+                return []
+            raise record_error(self.name, item, str(exc)) from None      # the file changed since the scan
 
 
 @dataclass
@@ -343,12 +346,13 @@ class RawLines:
 
 @dataclass
 class Reread:
-    """Pass two over a scanned file: iterated, its records (parsed here); `line_chunks`, its raw lines."""
+    """Pass two over a scanned file: iterated, its records (parsed here); `line_chunks`, a JSON-lines file's
+    raw lines (any other file's records, parsed here)."""
 
     path: Path
     parser: LineParser
+    spec: object
     until: int | None = None
-    take: int | None = None        # num_samples: only the first `take` records
 
     def _lines(self) -> Iterator[tuple[int, bytes | int]]:
         for lineno, body in lines(self.path, self.parser.name, self.parser.limit):
@@ -357,18 +361,16 @@ class Reread:
             yield lineno, body
 
     def __iter__(self) -> Iterator[Record]:
-        row = 1
-        for item in self._lines():
-            for record in self.parser.parse([item], row):
-                if self.take is not None and row > self.take:
-                    return
-                row += 1
-                yield record
+        p = self.parser
+        for item in _renamed(self.path, p.name, self.spec, p.tolerant, p.limit):
+            if isinstance(item, Record):
+                yield from p.normalized(item)
 
     def line_chunks(self, size: int) -> Iterator[RawLines | list[Record]]:
-        """`size` lines that are not blank at a time (blank ones hold no record and are left out here);
-        without the scan's last line, num_samples can only be counted on parsed records: lists of them."""
-        if self.take is not None and self.until is None:
+        """`size` lines that are not blank at a time (blank ones hold no record and are left out here); lists
+        of records where lines cannot be cut apart unparsed, or num_samples must be counted without the
+        scan's last line."""
+        if not _split_here(self.path, self.parser.name) or self.spec.num_samples is not None and self.until is None:
             records = iter(self)
             while chunk := list(itertools.islice(records, size)):
                 yield chunk
