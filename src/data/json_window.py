@@ -32,6 +32,7 @@ class Window:
         self.buf, self.pos, self.eof = b"", 0, False
         self._line, self._counted = 1, 0      # the line buf[_counted] is on
         self._cols = (0, 0)                   # characters and bytes before buf[0] on its line
+        self._col_at = (0, 0, 0)              # the last column asked for: (position, characters, bytes)
 
     def more(self, keep: int) -> int:
         """Read a block on, letting go of the bytes before `keep`; the bytes let go, or -1 at the end."""
@@ -47,6 +48,7 @@ class Window:
         self.buf = self.buf[keep:] + block
         self.pos -= keep
         self._counted -= keep
+        self._col_at = (0, *self._cols)
         return keep
 
     def line_at(self, at: int) -> int:
@@ -56,11 +58,16 @@ class Window:
         return self._line
 
     def column_at(self, at: int) -> tuple[int, int]:
-        """(characters, bytes) before position `at` on its line."""
-        nl = self.buf.rfind(b"\n", 0, at)
+        """(characters, bytes) before position `at` on its line. Counted on from the last position asked
+        for (positions asked for never go backwards), so a long line of records costs one count, not one
+        per record."""
+        last, before_chars, before_bytes = self._col_at
+        nl = self.buf.rfind(b"\n", last, at)
         if nl >= 0:
-            return chars(self.buf[nl + 1:at]), at - nl - 1
-        return self._cols[0] + chars(self.buf[:at]), self._cols[1] + at
+            last, before_chars, before_bytes = nl + 1, 0, 0
+        counted = (before_chars + chars(self.buf[last:at]), before_bytes + at - last)
+        self._col_at = (at, *counted)
+        return counted
 
     def skip_ws(self) -> int | None:
         """The byte at the first non-whitespace position from pos on (pos moved there), None at the end."""

@@ -297,6 +297,21 @@ def test_the_sample_csv_reads_as_pandas_reads_it_whole(monkeypatch):
     assert [r.data for r in read_file(path, path.name).records] == whole
 
 
+def test_a_one_line_array_is_counted_once_for_its_columns(write, monkeypatch):
+    """Records' columns (for messages) are counted on from the last one: json.dumps(records) without indent,
+    one long line, costs one pass, not one per record (which made a 2.7 MB line take seconds)."""
+    from mudpuppy.data import json_window
+
+    counted = []
+    real = json_window.chars
+    monkeypatch.setattr(json_window, "chars", lambda text: counted.append(len(text)) or real(text))
+    records = sample_records("sample_sharegpt.jsonl") * 400
+    raw = json.dumps(records, ensure_ascii=False).encode()
+    source = read_file(write("one-line.json", raw), "one-line.json")
+    assert [r.data for r in source.records] == records and {r.line for r in source.records} == {1}
+    assert sum(counted) <= 2 * len(raw)
+
+
 # --------------------------------------------------------------------------- SFT: scanned, then read again
 
 def test_sft_streams_every_format_to_the_records_read_whole(make_cfg, write, tmp_path, monkeypatch):
