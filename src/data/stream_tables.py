@@ -128,17 +128,23 @@ def _row_lines(blocks, sep: str) -> Iterator[int]:
         blocks.close()
 
 
+_LINE_ENDS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"      # where str.splitlines ends a line
+
+
 def _text_lines(blocks) -> Iterator[str]:
-    """The UTF-8 text's lines, with their ends (str.splitlines' line ends)."""
+    """The UTF-8 text's lines, with their ends (str.splitlines' line ends; CRLF is already LF). A line longer
+    than a block is gathered in pieces, joined once."""
     import codecs
 
-    decoder, rest = codecs.getincrementaldecoder("utf-8")(), ""
+    decoder, parts = codecs.getincrementaldecoder("utf-8")(), []
     for block in blocks:
-        pieces = (rest + decoder.decode(block)).splitlines(keepends=True)
-        rest = pieces.pop() if pieces else ""
-        yield from pieces
-    if rest:
-        yield rest
+        for piece in decoder.decode(block).splitlines(keepends=True):
+            parts.append(piece)
+            if piece[-1] in _LINE_ENDS:
+                yield "".join(parts)
+                parts = []
+    if parts:
+        yield "".join(parts)
 
 
 # --------------------------------------------------------------------------- Parquet
