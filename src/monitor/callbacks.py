@@ -4,8 +4,19 @@ The loop (training/loop.py) calls the hooks of the callbacks it was given, in
 order, and knows nothing of what they do; metrics.jsonl (metrics.py), the
 trackers of `logging.report_to` (trackers.py), the progress lines
 (progress.py) and the --tui dashboard (live.py) are callbacks like any a
-user passes. Modelled on mlx-lm's `TrainingCallback`, with the hooks of a
-whole loop. Per optimizer step the loop calls, in this order:
+user passes to `run`, which hear the run after those:
+
+    from mudpuppy import create_backend, load_config, run
+    from mudpuppy.monitor.callbacks import Callback
+
+    class Losses(Callback):
+        def on_step_end(self, step, metrics):
+            print(step, metrics["loss"])
+
+    run(load_config("configs/quickstart.yaml"), create_backend("cpu"), callbacks=[Losses()])
+
+Modelled on mlx-lm's `TrainingCallback`, with the hooks of a whole loop.
+Per optimizer step the loop calls, in this order:
 
     on_samples(step, samples)   completions the step's batches were made from (GRPO), when there are any
     on_log(record)              when the step is logged (every logging.log_every steps and the last)
@@ -14,7 +25,8 @@ whole loop. Per optimizer step the loop calls, in this order:
     on_checkpoint(step, path)   after a checkpoint is written
 
 `on_run_start(total, done)` comes before the first step (`done` > 0 when a run resumes) and
-`on_run_end()` after the last, also when the loop ends in an error. A record is a line of
+`on_run_end()` after the last, also when the loop ends in an error; the checkpoint of the last step, where
+training.save_steps does not divide it, is written and heard after that. A record is a line of
 metrics.jsonl: rounded numbers, `step` and `elapsed` (seconds since the loop started) included.
 """
 

@@ -9,24 +9,29 @@ from .sft import RunResult, run_sft
 __all__ = ["RunResult", "run_grpo", "run_preference", "run_reward", "run_sft", "run"]
 
 
-def _run_gptq(cfg, backend, overwrite=False, echo=print):
+def _run_gptq(cfg, backend, overwrite=False, echo=print, callbacks=()):
     from .gptq import run_gptq              # imported when used: the quantization code is not on other paths
-    return run_gptq(cfg, backend, overwrite=overwrite, echo=echo)
+    return run_gptq(cfg, backend, overwrite=overwrite, echo=echo)     # no optimizer step for callbacks to hear
 
 
-def _run_qat(cfg, backend, overwrite=False, echo=print):
+def _run_qat(cfg, backend, overwrite=False, echo=print, callbacks=()):
     from .qat import run_qat
-    return run_qat(cfg, backend, overwrite=overwrite, echo=echo)
+    return run_qat(cfg, backend, overwrite=overwrite, echo=echo, callbacks=callbacks)
 
 
 METHODS = {"sft": run_sft, "preference": run_preference, "rm": run_reward, "prm": run_reward, "grpo": run_grpo,
            "gptq": _run_gptq, "qat": _run_qat}
 
 
-def run(cfg, backend=None, overwrite: bool = False, echo=print, allow_changes: bool = False) -> RunResult:
-    """Run the method a config names on `backend` (created from the config when omitted). `allow_changes`: a
-    resumed run continues with settings or data that differ from its checkpoint's, recording each change,
-    instead of refusing them (`mudpuppy run --resume --allow-changes`; training/resume_changes.py)."""
+def run(cfg, backend=None, overwrite: bool = False, echo=print, allow_changes: bool = False,
+        callbacks=()) -> RunResult:
+    """Run the method a config names on `backend` (created from the config when omitted).
+
+    `callbacks`: monitor.callbacks.Callback objects that hear every optimizer step, held-out check and
+    checkpoint, after the run's own (metrics.jsonl, trackers, progress); in a distributed run every rank's
+    callbacks hear its own loop. GPTQ trains nothing: its callbacks hear nothing. `allow_changes`: a resumed
+    run continues with settings or data that differ from its checkpoint's, recording each change, instead
+    of refusing them (`mudpuppy run --resume --allow-changes`; training/resume_changes.py)."""
     from .resume_changes import allowing
     from ..backends import create_backend
 
@@ -51,7 +56,7 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print, allow_changes: b
             echo = _silent            # rank 0 speaks for the run
     try:
         with allowing(allow_changes):
-            return METHODS[cfg.method](cfg, backend, overwrite=overwrite, echo=echo)
+            return METHODS[cfg.method](cfg, backend, overwrite=overwrite, echo=echo, callbacks=list(callbacks))
     finally:
         end_run(cfg.output_dir)       # the run directory's lock goes with the run, whether it ended well or not
 

@@ -53,7 +53,7 @@ from .rollout import COMPLETIONS, RolloutBatcher, score_completions
 from .session import start_run
 
 
-def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
+def run_grpo(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> RunResult:
     started = time.perf_counter()
     g = cfg.grpo
     # -- setup: data and reward-function problems surface before the policy loads or anything is written
@@ -65,7 +65,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     tools, environments = load_agent(cfg)                     # tools and environments import before the model
     funcs += environment_reward(environments, funcs)
     offer_tools(loaded, schemas(tools, environments))
-    run = start_run(cfg, backend, overwrite, echo, started)   # output_dir locked (a replaced run stays for now), model
+    run = start_run(cfg, backend, overwrite, echo, started, callbacks)   # output_dir locked, model loaded
     handle, out = run.handle, run.out
     data = prepare_data(cfg, handle.tokenizer, loaded, method="grpo")
     agent = build_agent(cfg, handle.tokenizer, loaded, data.report, tools, environments,
@@ -90,12 +90,10 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     if run.resume_from is not None and current_ranks().is_main:     # the one process that writes it
         truncate_completions(out / COMPLETIONS, run.state.step)
 
-    # -- loop
-    save = run.checkpoint_writer(rollouts)
+    # -- loop (loop.train_loop): the rollouts sample each step's batches, the objective is GRPO's loss
     evaluate = (lambda: measure().for_loop()) if measure is not None else None
-    stopped_early = train_loop(cfg, trainer, rollouts, run.state, steps, save, out, echo,
-                               objective=GrpoObjective(backend, g), evaluate=evaluate, sampler=rollouts,
-                               callbacks=run.callbacks())
+    stopped_early = train_loop(cfg, run.state, steps, trainer, rollouts, run.checkpoints(rollouts), run.callbacks(),
+                               evaluate=evaluate, objective=GrpoObjective(backend, g), echo=echo)
 
     # -- save, then evaluate what was saved
     save_trained(cfg, backend, handle, out)

@@ -1,14 +1,20 @@
-"""The training loop every recipe shares: steps, checkpoints, held-out checks, resume.
+"""The training loop every recipe shares, written out in one function, `train_loop`.
 
-A recipe (sft.py, preference.py, reward.py) sets up its data, model and
-objective, then hands them to `train_loop`. What differs per method comes
-in as two callables: the `objective` the trainer minimises (None: SFT's
-token loss) and `evaluate`, which measures held-out data for early
-stopping. Everything else is written once here: the schedule, gradient
-accumulation, non-finite steps, atomic checkpoints with exact resume and
-Ctrl-C. What the loop measures goes to its callbacks (monitor/callbacks.py):
-metrics.jsonl, the trackers and the progress display unless the recipe
-passes its own list; the loop knows nothing of what they do.
+A recipe (sft.py; runner.py for preference, reward and PRM; grpo.py; qat.py)
+sets up its data, model, trainer and loop state, then calls
+
+    train_loop(cfg, state, steps, trainer, batcher, checkpoints, callbacks, evaluate=..., objective=...)
+
+Each optimizer step reads top to bottom there: the learning rate from the
+schedule (schedule.py), the micro-batches from the batcher (data/batching.py),
+the runtime's step (backends/<runtime>/trainer.py: forward, loss, backward,
+clipping, the optimizer), the loop state advanced, the callbacks told
+(monitor/callbacks.py), the held-out check with early stopping, the
+checkpoint. What differs per method comes in as objects: the `objective` the
+trainer minimises (None: SFT's token loss) and `evaluate`, which measures
+held-out data. The state the loop carries is explicit: `LoopState` (saved in
+every checkpoint, beside the trainer's optimizer and RNG state); Ctrl-C and
+SIGTERM stop between steps so that a checkpoint resumes exactly.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 from ..data.tokenizers import save_tokenizer
 from .. import files
@@ -32,6 +38,7 @@ from ..monitor.callbacks import Callback, Callbacks
 from . import checkpoints, outputs
 from .rundir import STAGING_FINAL, publish_staged, record
 from .schedule import learning_rate
+
 
 class TrainingDiverged(MudpuppyError):
     exit_code = 3
@@ -73,6 +80,7 @@ class LoopState:
 Evaluate = Callable[[], tuple[float, dict]]
 
 
+@runtime_checkable
 class Sampler(Protocol):
     """A batcher that makes its batches (GRPO's rollouts) and reports what making them showed."""
 
@@ -81,6 +89,26 @@ class Sampler(Protocol):
 
     def pop_samples(self) -> list[dict]:
         """A few of the completions those batches were made from (empty when none were)."""
+
+
+@dataclass
+class Checkpoints:
+    """Where the loop's checkpoints go, and how one is written: `write(state)` returns the complete
+    checkpoint's path, or None where this process writes none (checkpoint_writer makes the usual one)."""
+
+    out: Path
+    write: Callable[[LoopState], Path | None]
+
+    def save(self, state: LoopState, report: Callback):
+        """Write the checkpoint of state.step; the callbacks hear of it once it is complete."""
+        path = self.write(state)
+        if path is not None:
+            report.on_checkpoint(state.step, Path(path))
+        return path
+
+    def newest(self) -> Path | None:
+        """The newest complete checkpoint: where a resume would start."""
+        return checkpoints.newest_complete(self.out)
 
 
 def total_steps_for(cfg, batcher: Batcher) -> int:
@@ -146,85 +174,97 @@ class GracefulStop:
         return error
 
 
-def train_loop(cfg, trainer, batcher, state: LoopState, steps: int, save, out: Path, echo,
-               objective=None, evaluate: Evaluate | None = None, callbacks: list[Callback] | None = None,
-               sampler: Sampler | None = None) -> bool:
-    """Run optimizer steps from state.step to `steps`; True when early stopping ended it. `callbacks` hear
-    what happens (default: outputs.run_callbacks, built from the config); `sampler`, when the batcher makes its
-    batches, adds what making them showed to each step's metrics (GRPO passes its rollouts)."""
-    if callbacks is None:
-        callbacks = outputs.run_callbacks(cfg, out, echo)
-    with GracefulStop(echo, current_ranks().distributed) as stop:
-        return _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, evaluate, stop,
-                          Callbacks(callbacks), sampler)
+def train_loop(cfg, state: LoopState, steps: int, trainer, batcher, checkpoints: Checkpoints,
+               callbacks: list[Callback], evaluate: Evaluate | None = None, objective=None, echo=print) -> bool:
+    """Optimizer steps from state.step to `steps`, each written out below; True when early stopping ended them.
 
-
-def _run_steps(cfg, trainer, batcher, state, steps, save, out, echo, objective, evaluate, stop, report: Callbacks,
-               sampler) -> bool:
+    `trainer` runs one step on its runtime (backends/<runtime>/trainer.py: forward, loss, backward, clip,
+    optimizer); `objective` is the loss it minimises (None: SFT's token loss). `evaluate` measures held-out
+    data for early stopping. A batcher that samples its batches (GRPO's rollouts, a `Sampler`) adds what
+    sampling showed to each step's metrics. Every number goes to `callbacks`, in order."""
     t = cfg.training
-    report.on_run_start(steps, state.step)
-    record = Record()
+    report = Callbacks(callbacks)
+    sampler = batcher if isinstance(batcher, Sampler) else None
     last_saved = state.step
-    try:
-        while state.step < steps:
-            step = state.step
-            lr = learning_rate(t, step, steps)
-            micro = [batcher.next_batch() for _ in range(t.gradient_accumulation_steps)]
-            t0 = time.perf_counter()
-            res = trainer.step(micro, lr) if objective is None else trainer.step(micro, lr, objective)
-            dt = time.perf_counter() - t0
-            if res.skipped:
-                state.skipped += 1
-                if t.on_nan == "stop":
-                    where = f"; the last good checkpoint is {checkpoints.newest_complete(out)}" if last_saved else ""
-                    raise TrainingDiverged(
-                        f"step {step + 1}: non-finite loss or gradient (loss {res.loss}, grad norm {res.grad_norm}); "
-                        f"stopped with weights untouched (training.on_nan: stop){where}")
-            state.step += 1
-            state.train_time += dt
-            state.tokens_seen += res.tokens
-            state.losses.append(res.loss)
-            state.lrs.append(lr)
-            made = sampler.pop_metrics() if sampler is not None else {}
-            samples = sampler.pop_samples() if sampler is not None else []
-            if samples:
-                report.on_samples(state.step, samples)
-            if state.step % cfg.logging.log_every == 0 or state.step == steps:
-                report.on_log(record.step_line(state.step, res, lr, dt, batcher.epoch, made))
-            report.on_step_end(state.step, step_metrics(res, lr, dt, batcher.epoch, made))
-            if t.eval_steps and state.step % t.eval_steps == 0 and evaluate is not None:
-                if check_patience(cfg, state, evaluate, report, record, echo):
-                    save_and_report(save, state, report)
-                    return True
-            if t.save_steps and state.step % t.save_steps == 0:
-                save_and_report(save, state, report)
-                last_saved = state.step
-            if stop.requested:
-                # The last step too: what comes after training (saving, evaluation, merge) can take minutes,
-                # and the user asked to stop; --resume runs no step and finishes the run.
-                path = save_and_report(save, state, report) if state.step > last_saved \
-                    else checkpoints.newest_complete(out)
-                left = "" if state.step < steps else " (training is done; --resume saves, evaluates and merges)"
-                raise stop.stopped(f"after step {state.step} of {steps}; checkpoint saved to {path}{left}. "
-                                   "Continue with: mudpuppy run --config ... --resume")
-    except OutOfDeviceMemory as exc:
-        # Nothing of this step is saved; the newest complete checkpoint is where a resume starts.
-        newest = checkpoints.newest_complete(out)
-        where = (f"the newest complete checkpoint, {newest}, is kept: continue from it with --resume once the run fits"
-                 if newest else "no checkpoint had been written yet (training.save_steps writes them)")
-        raise OutOfDeviceMemory(f"step {state.step + 1}: {exc} Nothing of this step was saved; {where}.") from exc
-    except KeyboardInterrupt:
-        # Stopped at once, possibly mid-step: what is in memory may be half updated, so
-        # nothing is saved; the newest complete checkpoint is where a resume starts.
-        newest = checkpoints.newest_complete(out)
-        where = f"the newest complete checkpoint is {newest}" if newest else "no checkpoint had been written yet"
-        raise stop.stopped(f"and stopped at once during step {state.step + 1}; nothing was saved; {where}. "
-                           "Continue with: mudpuppy run --config ... --resume") from None
-    finally:
-        report.on_run_end()
+    with GracefulStop(echo, current_ranks().distributed) as stop:
+        report.on_run_start(steps, state.step)
+        record = Record()
+        try:
+            while state.step < steps:
+                step = state.step
+                lr = learning_rate(t, step, steps)                  # the schedule (schedule.py)
+                micro = [batcher.next_batch() for _ in range(t.gradient_accumulation_steps)]
+                t0 = time.perf_counter()
+                # forward, loss, backward, clipping and the optimizer's update, on the runtime
+                res = trainer.step(micro, lr) if objective is None else trainer.step(micro, lr, objective)
+                dt = time.perf_counter() - t0
+                if res.skipped:
+                    state.skipped += 1
+                    if t.on_nan == "stop":
+                        raise diverged(step, res, checkpoints.newest() if last_saved else None)
+                state.step += 1
+                state.train_time += dt
+                state.tokens_seen += res.tokens
+                state.losses.append(res.loss)
+                state.lrs.append(lr)
+                # what the step showed, to the callbacks
+                made = sampler.pop_metrics() if sampler is not None else {}
+                samples = sampler.pop_samples() if sampler is not None else []
+                if samples:
+                    report.on_samples(state.step, samples)
+                if state.step % cfg.logging.log_every == 0 or state.step == steps:
+                    report.on_log(record.step_line(state.step, res, lr, dt, batcher.epoch, made))
+                report.on_step_end(state.step, step_metrics(res, lr, dt, batcher.epoch, made))
+                # held-out check (early stopping), then the checkpoint
+                if t.eval_steps and state.step % t.eval_steps == 0 and evaluate is not None:
+                    if check_patience(cfg, state, evaluate, report, record, echo):
+                        checkpoints.save(state, report)
+                        return True
+                if t.save_steps and state.step % t.save_steps == 0:
+                    checkpoints.save(state, report)
+                    last_saved = state.step
+                if stop.requested:
+                    # The last step too: what comes after training (saving, evaluation, merge) can take minutes,
+                    # and the user asked to stop; --resume runs no step and finishes the run.
+                    path = checkpoints.save(state, report) if state.step > last_saved else checkpoints.newest()
+                    raise stop.stopped(stopped_after(state.step, steps, path))
+        except OutOfDeviceMemory as exc:
+            raise out_of_memory(exc, state.step, checkpoints.newest()) from exc
+        except KeyboardInterrupt:
+            raise stop.stopped(stopped_at_once(state.step, checkpoints.newest())) from None
+        finally:
+            report.on_run_end()
     if t.save_steps and last_saved != state.step:
-        save_and_report(save, state, report)
+        checkpoints.save(state, report)         # the last step's, outside the Ctrl-C handling, after on_run_end
     return False
+
+
+def diverged(step: int, res, newest: Path | None) -> TrainingDiverged:
+    where = f"; the last good checkpoint is {newest}" if newest else ""
+    return TrainingDiverged(f"step {step + 1}: non-finite loss or gradient (loss {res.loss}, grad norm "
+                            f"{res.grad_norm}); stopped with weights untouched (training.on_nan: stop){where}")
+
+
+def stopped_after(step: int, steps: int, path) -> str:
+    """What a stop asked for between steps says (GracefulStop.stopped names the signal)."""
+    left = "" if step < steps else " (training is done; --resume saves, evaluates and merges)"
+    return (f"after step {step} of {steps}; checkpoint saved to {path}{left}. "
+            "Continue with: mudpuppy run --config ... --resume")
+
+
+def stopped_at_once(step: int, newest: Path | None) -> str:
+    """Stopped at once, possibly mid-step: what is in memory may be half updated, so nothing is saved; the
+    newest complete checkpoint is where a resume starts."""
+    where = f"the newest complete checkpoint is {newest}" if newest else "no checkpoint had been written yet"
+    return (f"and stopped at once during step {step + 1}; nothing was saved; {where}. "
+            "Continue with: mudpuppy run --config ... --resume")
+
+
+def out_of_memory(exc: OutOfDeviceMemory, step: int, newest: Path | None) -> OutOfDeviceMemory:
+    """Nothing of this step is saved; the newest complete checkpoint is where a resume starts."""
+    where = (f"the newest complete checkpoint, {newest}, is kept: continue from it with --resume once the run fits"
+             if newest else "no checkpoint had been written yet (training.save_steps writes them)")
+    return OutOfDeviceMemory(f"step {step + 1}: {exc} Nothing of this step was saved; {where}.")
 
 
 class Record:
@@ -252,14 +292,6 @@ def step_metrics(res, lr: float, dt: float, epoch, made: dict) -> dict:
             **({"time/training": dt} if made else {})}
 
 
-def save_and_report(save, state: LoopState, report: Callbacks):
-    """Write the checkpoint of state.step; the callbacks hear of it once it is complete."""
-    path = save(state)
-    if path is not None:
-        report.on_checkpoint(state.step, Path(path))
-    return path
-
-
 def rounded(value: float) -> float | None:
     """A metric for metrics.jsonl: 6 decimals, and NaN (no value this step) as null, which JSON can hold."""
     return None if value != value else round(value, 6)
@@ -282,8 +314,11 @@ def check_patience(cfg, state: LoopState, evaluate: Evaluate, report: Callbacks,
     return False
 
 
-def checkpoint_writer(cfg, backend, handle, trainer, batcher, out, recorded: Callable[[], dict] | None = None):
-    """`recorded()`: what else each checkpoint's marker records (session.py: what the run was trained with)."""
+def checkpoint_writer(cfg, backend, handle, trainer, batcher, out,
+                      recorded: Callable[[], dict] | None = None) -> Checkpoints:
+    """Checkpoints of the run in `out`: the loop state, the batcher's position, and the backend's training state
+    (weights, optimizer, RNG). `recorded()`: what else each checkpoint's marker records (session.py: what the
+    run was trained with)."""
     identity = checkpoint_identity(cfg)
 
     def save(state: LoopState) -> Path:
@@ -292,7 +327,7 @@ def checkpoint_writer(cfg, backend, handle, trainer, batcher, out, recorded: Cal
             out, state.step, {**identity, **(recorded() if recorded else {})}, state.as_dict(batcher),
             lambda d: backend.save_training_state(handle, trainer, str(d)), cfg.training.keep_last_n)
 
-    return save
+    return Checkpoints(Path(out), save)
 
 
 def restore(cfg, backend, handle, trainer, batcher, path: Path) -> LoopState:

@@ -201,7 +201,7 @@ def precompute_reference(backend, handle, items: list, batch_size: int, pad_id: 
 
 # --------------------------------------------------------------------------- the recipe
 
-def run_preference(cfg, backend, overwrite: bool = False, echo=print):
+def run_preference(cfg, backend, overwrite: bool = False, echo=print, callbacks=()):
     pref = cfg.preference
     seq_len = cfg.data.sequence_len
 
@@ -220,7 +220,7 @@ def run_preference(cfg, backend, overwrite: bool = False, echo=print):
 
     recipe = Recipe(head=None, bad_input=pref.bad_pairs, make_items=make_items, collate=collate_items,
                     objective=PreferenceObjective(backend, pref), prepare=prepare, describe=describe(pref))
-    return run_recipe(cfg, backend, recipe, overwrite=overwrite, echo=echo)
+    return run_recipe(cfg, backend, recipe, overwrite=overwrite, echo=echo, callbacks=callbacks)
 
 
 def describe(pref) -> str:

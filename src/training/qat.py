@@ -43,8 +43,8 @@ from ..data import Batcher, load_data, prepare_sft_data
 from ..errors import MudpuppyError
 from ..evaluation import EvalResult, evaluate
 from ..files import write_json_atomic
-from . import rundir
-from .loop import Interrupted, LoopState, RunResult, staged_final, train_loop
+from . import outputs, rundir
+from .loop import Checkpoints, Interrupted, LoopState, RunResult, staged_final, train_loop
 from .merge import merge_at_end
 from .session import start_run
 from .sft import describe_data, loss_check, measure_model
@@ -54,7 +54,7 @@ BRANCH_POINT = "qat-branch-point"     # training state where the baseline and QA
 TRAINED = "trained"                   # the float fine-tune: adapter or whole model
 
 
-def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
+def run_qat(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> RunResult:
     from ..distributed import current
 
     started = time.perf_counter()
@@ -65,7 +65,7 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     # -- setup: data and group-size problems surface before any model loads or anything is written
     loaded = load_data(cfg, "sft")
     qat.check_model(cfg.model)
-    run = start_run(cfg, backend, overwrite, echo, started)   # output_dir locked (a replaced run stays for now), model
+    run = start_run(cfg, backend, overwrite, echo, started, callbacks)   # output_dir locked, model loaded
     handle, out = run.handle, run.out
     data = prepare_sft_data(cfg, handle.tokenizer, loaded)
     run.take_output_dir()                                      # model and data loaded: now the old run goes
@@ -87,10 +87,11 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         baseline = _read_baseline(out) if measured else None
     elif measured:
         run.state, baseline = _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, run.state, steps,
-                                             min(start_fq, steps), data, out, echo, held_out)
-    save = run.checkpoint_writer(batcher)
+                                             min(start_fq, steps), data, out, echo, held_out, callbacks)
     switching = FakeQuantSwitch(trainer, qat, handle, run.state, start_fq)
-    stopped_early = train_loop(cfg, switching, batcher, run.state, steps, save, out, echo, evaluate=held_out)
+    heard = [*outputs.run_callbacks(cfg, out, echo), *callbacks]      # no memory phases in QAT's summary
+    stopped_early = train_loop(cfg, run.state, steps, switching, batcher, run.checkpoints(batcher), heard,
+                               evaluate=held_out, echo=echo)
 
     # -- save the float fine-tune, measure it fake-quantized, convert, save and measure the result
     qat.set_fake_quant(handle, True)
@@ -147,21 +148,21 @@ class PausingBatcher:
         return getattr(self.batcher, name)
 
 
-def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, branch_at, data, out, echo, held_out):
+def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, branch_at, data, out, echo, held_out,
+                  callbacks=()):
     """Train to `branch_at` (shared), keep the state, fine-tune on without fake quantization, measure it
     in float and round-to-nearest, then go back to the kept state. Returns (state at the branch, numbers)."""
     quiet = cfg.model_copy(update={"training": cfg.training.model_copy(update={"save_steps": None})})
 
-    def no_checkpoint(_state):
-        return None
+    no_checkpoints = Checkpoints(out, lambda _state: None)
 
     try:
         if branch_at:
             echo(f"steps 1-{branch_at}: shared by QAT and its PTQ baseline (fake quantization starts after them)")
             try:
-                train_loop(quiet, FakeQuantSwitch(trainer, qat, handle, state, 0, enabled=False),
-                           PausingBatcher(batcher, state, branch_at), state, steps, no_checkpoint, out, echo,
-                           evaluate=held_out)
+                train_loop(quiet, state, steps, FakeQuantSwitch(trainer, qat, handle, state, 0, enabled=False),
+                           PausingBatcher(batcher, state, branch_at), no_checkpoints,
+                           [*outputs.run_callbacks(quiet, out, echo), *callbacks], evaluate=held_out, echo=echo)
             except _Pause:
                 pass
         point = out / BRANCH_POINT
@@ -170,8 +171,9 @@ def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, bra
         backend.save_training_state(handle, trainer, str(point))
         kept = copy.deepcopy(state.as_dict(batcher))     # phase two appends to the same loss lists
         echo(f"PTQ baseline: fine-tuning steps {state.step + 1}-{steps} without fake quantization")
-        stopped = train_loop(quiet, FakeQuantSwitch(trainer, qat, handle, state, 0, enabled=False), batcher, state,
-                             steps, no_checkpoint, out, echo, evaluate=held_out)
+        stopped = train_loop(quiet, state, steps, FakeQuantSwitch(trainer, qat, handle, state, 0, enabled=False),
+                             batcher, no_checkpoints, [*outputs.run_callbacks(quiet, out, echo), *callbacks],
+                             evaluate=held_out, echo=echo)
     except Interrupted:
         raise Interrupted("interrupted during the PTQ baseline, before QAT's own steps; no checkpoint is written "
                           "until they start: run again with --overwrite") from None

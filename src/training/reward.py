@@ -103,12 +103,12 @@ def reward_loss_for(cfg, formats: set[str], where: str) -> str:
     return natural
 
 
-def run_reward(cfg, backend, overwrite: bool = False, echo=print):
+def run_reward(cfg, backend, overwrite: bool = False, echo=print, callbacks=()):
     if cfg.method == "prm":
         recipe = Recipe(head=HEADS["prm"], bad_input=cfg.reward.bad_pairs, make_items=lambda t, v: (t, v),
                         collate=collate_steps, objective=StepObjective(backend),
                         describe="process reward model (step classification)")
-        return run_recipe(cfg, backend, recipe, overwrite=overwrite, echo=echo)
+        return run_recipe(cfg, backend, recipe, overwrite=overwrite, echo=echo, callbacks=callbacks)
 
     objective = RewardObjective(backend, "bradley_terry")
 
@@ -125,4 +125,4 @@ def run_reward(cfg, backend, overwrite: bool = False, echo=print):
 
     recipe = Recipe(head=HEADS["rm"], bad_input=cfg.reward.bad_pairs, make_items=make_items,
                     collate=collate_items, objective=objective, check=check)
-    return run_recipe(cfg, backend, recipe, overwrite=overwrite, echo=echo)
+    return run_recipe(cfg, backend, recipe, overwrite=overwrite, echo=echo, callbacks=callbacks)

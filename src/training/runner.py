@@ -47,7 +47,8 @@ class Recipe:
     check: Callable | None = None                      # (LoadedData) -> None: raise on data the method refuses
 
 
-def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print) -> RunResult:
+def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print, callbacks=()) -> RunResult:
+    """Train `recipe`'s objective on cfg's data; `callbacks` hear every step after the run's own."""
     started = time.perf_counter()
     method = cfg.data_method()
     # -- setup: data problems surface before any model loads or anything is written
@@ -57,7 +58,7 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     screening = screen_records(loaded.train + loaded.val)
     if screening.bad and recipe.bad_input == "error":
         raise_bad_records(screening, method)
-    run = start_run(cfg, backend, overwrite, echo, started, head=recipe.head)   # output_dir locked, model loaded
+    run = start_run(cfg, backend, overwrite, echo, started, callbacks, head=recipe.head)   # output_dir locked, model
     handle, out = run.handle, run.out
     data = prepare_data(cfg, handle.tokenizer, loaded, method=method)
     # An example with no target left after truncation is one whose prompt fills sequence_len.
@@ -89,11 +90,10 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     batcher = Batcher.from_config(train_items, cfg, pad, collate_fn=recipe.collate)
     steps = run.restore(batcher)                               # a resumed run: weights, optimizer, data position
 
-    # -- loop
-    save = run.checkpoint_writer(batcher)
+    # -- loop (loop.train_loop), minimising the recipe's objective
     evaluate = (lambda: held_out().for_loop()) if val_batches else None
-    stopped_early = train_loop(cfg, trainer, batcher, run.state, steps, save, out, echo,
-                               objective=recipe.objective, evaluate=evaluate, callbacks=run.callbacks())
+    stopped_early = train_loop(cfg, run.state, steps, trainer, batcher, run.checkpoints(batcher), run.callbacks(),
+                               evaluate=evaluate, objective=recipe.objective, echo=echo)
 
     # -- save, then evaluate what was saved
     if recipe.head is not None:

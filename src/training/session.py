@@ -3,7 +3,7 @@
 A recipe (sft.py, runner.py for preference / reward / PRM, grpo.py, qat.py) reads and checks its data
 first, so that a data problem costs nothing, then:
 
-    run = start_run(cfg, backend, overwrite, echo, started)     output_dir claimed (locked; a run that
+    run = start_run(cfg, backend, overwrite, echo, started, callbacks)   output_dir claimed (locked; a run that
                                                                 --overwrite replaces stays), a resume's
                                                                 changed settings checked, seed, model
     ... the method's data, tokenized with run.handle.tokenizer
@@ -13,8 +13,8 @@ first, so that a data problem costs nothing, then:
     trainer = run.create_trainer(); batcher = ...
     steps = run.restore(batcher)                                a resumed run's state back from its checkpoint
                                                                 (the next older one when it does not load)
-    stopped_early = train_loop(cfg, trainer, batcher, run.state, steps, run.checkpoint_writer(batcher), ...,
-                               callbacks=run.callbacks())
+    stopped_early = train_loop(cfg, run.state, steps, trainer, batcher, run.checkpoints(batcher),
+                               run.callbacks(), evaluate=..., objective=...)
     ... save what was trained
     result = run.result(stopped_early)
     result.after = run.measure_after(measure)
@@ -38,7 +38,7 @@ from ..errors import MudpuppyError
 from ..evaluation.result import EvalResult
 from ..monitor.memory import MemoryPhases
 from . import checkpoints, outputs, resume_changes
-from .loop import LoopState, checkpoint_writer, restore, resumed_step, total_steps_for
+from .loop import Checkpoints, LoopState, checkpoint_writer, restore, resumed_step, total_steps_for
 from .merge import merge_at_end
 from .outputs import Claim, RunResult
 
@@ -62,6 +62,7 @@ class Run:
     record: dict = field(default_factory=dict)  # what trains this run (resume_changes.trained_with)
     changes: list[dict] = field(default_factory=list)   # settings changed at a resume: earlier ones, then this one's
     accepted: list[dict] = field(default_factory=list)  # those this resume accepted
+    extra: list = field(default_factory=list)   # the callbacks the caller of run() added (monitor/callbacks.py)
 
     @property
     def out(self) -> Path:
@@ -140,18 +141,18 @@ class Run:
         self.changes = resume_changes.history_of(older) + self.accepted
         self.claim.resume_from = older
 
-    def checkpoint_writer(self, batcher):
+    def checkpoints(self, batcher) -> Checkpoints:
         """Each checkpoint also records what trained it and the changes accepted so far (resume_changes.py)."""
         return checkpoint_writer(self.cfg, self.backend, self.handle, self.trainer, batcher, self.out,
                                  recorded=lambda: {resume_changes.RECORD: self.record,
                                                    resume_changes.HISTORY: self.changes})
 
     def callbacks(self) -> list:
-        """What the loop reports to: outputs.run_callbacks, and the peak memory of each phase
-        (run_summary.json's `memory`, monitor/memory.py)."""
+        """What the loop reports to: outputs.run_callbacks, the peak memory of each phase (run_summary.json's
+        `memory`, monitor/memory.py), then the callbacks the caller of run() added."""
         self.memory = MemoryPhases(self.backend)
         callbacks = outputs.run_callbacks(self.cfg, self.out, self.echo)
-        return [*callbacks, *resume_changes.changes_line(callbacks, self.accepted), self.memory]
+        return [*callbacks, *resume_changes.changes_line(callbacks, self.accepted), self.memory, *self.extra]
 
     def result(self, stopped_early: bool) -> RunResult:
         """What the loop did, with the numbers from before training (from the checkpoint when resumed). The
@@ -189,10 +190,11 @@ class Run:
         return result
 
 
-def start_run(cfg, backend, overwrite: bool, echo, started: float, head: str | None = None) -> Run:
+def start_run(cfg, backend, overwrite: bool, echo, started: float, callbacks=(), head: str | None = None) -> Run:
     """Claim output_dir (locked; a run that --overwrite replaces stays until take_output_dir), check what a
     resume changes (resume_changes.py: refused unless allowed), seed, load the model (with a scalar `head` for
-    reward models): after the recipe's data checks, before its tokenization."""
+    reward models): after the recipe's data checks, before its tokenization. `callbacks`: what the caller of
+    run() added, heard by the loop after the run's own (Run.callbacks)."""
     claim = outputs.claim_output_dir(cfg, overwrite)
     record = resume_changes.trained_with(cfg)
     accepted = resume_changes.check_resume(cfg, record, claim.resume_from, echo) if claim.resume_from else []
@@ -200,7 +202,7 @@ def start_run(cfg, backend, overwrite: bool, echo, started: float, head: str | N
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision, head=head, adapter=cfg.adapter)
     return Run(cfg, backend, echo, claim, started, handle, record=record, changes=history + accepted,
-               accepted=accepted)
+               accepted=accepted, extra=list(callbacks))
 
 
 def _damaged_while_loading(exc: Exception) -> bool:

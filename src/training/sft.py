@@ -26,11 +26,12 @@ from .outputs import RunResult
 from .session import start_run
 
 
-def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
+def run_sft(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> RunResult:
+    """Fine-tune on cfg's data; `callbacks` (monitor/callbacks.py) hear every step after the run's own."""
     started = time.perf_counter()
     # -- setup: data problems surface before any model loads or anything is written
     loaded = load_data(cfg, "sft")
-    run = start_run(cfg, backend, overwrite, echo, started)   # output_dir locked (a replaced run stays for now), model
+    run = start_run(cfg, backend, overwrite, echo, started, callbacks)   # output_dir locked, model loaded
     handle = run.handle
     data = prepare_sft_data(cfg, handle.tokenizer, loaded)
     run.take_output_dir()                                      # model and data loaded: now the old run goes
@@ -42,11 +43,9 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
     steps = run.restore(batcher)                               # a resumed run: weights, optimizer, data position
 
-    # -- loop
-    save = run.checkpoint_writer(batcher)
-    held_out = loss_check(cfg, backend, handle, data)
-    stopped_early = train_loop(cfg, trainer, batcher, run.state, steps, save, run.out, echo, evaluate=held_out,
-                               callbacks=run.callbacks())
+    # -- loop: each optimizer step is written out in loop.train_loop, the runtime's part in its trainer.step
+    stopped_early = train_loop(cfg, run.state, steps, trainer, batcher, run.checkpoints(batcher), run.callbacks(),
+                               evaluate=loss_check(cfg, backend, handle, data), echo=echo)
 
     # -- save, then evaluate what was saved
     save_trained(cfg, backend, handle, run.out)

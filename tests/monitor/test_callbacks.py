@@ -13,7 +13,7 @@ from mudpuppy.backends.protocol import StepResult
 from mudpuppy.errors import OutOfDeviceMemory
 from mudpuppy.monitor.callbacks import Callback
 from mudpuppy.training import outputs
-from mudpuppy.training.loop import LoopState, train_loop
+from mudpuppy.training.loop import Checkpoints, LoopState, train_loop
 
 # The losses the trainer below returns, step by step: the oracle every callback's numbers are checked against.
 LOSSES = [2.5, 2.25, 1.875, 1.5, 1.125, 0.8125]
@@ -107,20 +107,19 @@ def evaluator():
     return evaluate
 
 
-def saver(out: Path, saved: list):
+def saver(out: Path, saved: list) -> Checkpoints:
     def save(state: LoopState) -> Path:
         saved.append(state.step)
         return out / f"checkpoint-{state.step}"
 
-    return save
+    return Checkpoints(out, save)
 
 
 def test_a_callback_hears_every_step_eval_checkpoint_and_the_end(tiny_config, tmp_path):
     cfg = config(tiny_config, eval_steps=2, save_steps=3)
     out, saved, spy = tmp_path / "out", [], Spy()
     out.mkdir()
-    stopped = train_loop(cfg, Trainer(), Batches(), LoopState(), 6, saver(out, saved), out, print,
-                         evaluate=evaluator(), callbacks=[spy])
+    stopped = train_loop(cfg, LoopState(), 6, Trainer(), Batches(), saver(out, saved), [spy], evaluate=evaluator())
     assert stopped is False
     assert spy.calls[0] == ("start", 6, 0) and spy.calls[-1] == ("end",)
     steps = spy.of("step")
@@ -141,8 +140,7 @@ def test_the_standard_set_writes_metrics_jsonl_from_the_same_records_a_callback_
     out, spy, rollouts = tmp_path / "out", Spy(), Rollouts()
     out.mkdir()
     callbacks = [*outputs.run_callbacks(cfg, out, print), spy]
-    train_loop(cfg, Trainer(), rollouts, LoopState(), 6, saver(out, []), out, print, evaluate=evaluator(),
-               callbacks=callbacks, sampler=rollouts)
+    train_loop(cfg, LoopState(), 6, Trainer(), rollouts, saver(out, []), callbacks, evaluate=evaluator())
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines == [record for (record,) in spy.of("log")]
     logged = [line for line in lines if "loss" in line]
@@ -168,8 +166,7 @@ def test_resuming_cuts_metrics_jsonl_back_and_tells_the_callbacks_where_it_start
     state = LoopState(step=3)
     trainer = Trainer()
     trainer.calls = 3
-    train_loop(cfg, trainer, Batches(), state, 6, saver(out, []), out, print,
-               callbacks=[*outputs.run_callbacks(cfg, out, print), spy])
+    train_loop(cfg, state, 6, trainer, Batches(), saver(out, []), [*outputs.run_callbacks(cfg, out, print), spy])
     assert spy.calls[0] == ("start", 6, 3)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(line["step"], line["loss"]) for line in lines] == [(1, 9.0), (2, 9.0), (3, 9.0), (4, LOSSES[3]),
@@ -181,7 +178,7 @@ def test_the_end_is_heard_when_the_loop_fails(tiny_config, tmp_path):
     out, spy = tmp_path / "out", Spy()
     out.mkdir()
     with pytest.raises(OutOfDeviceMemory, match="step 3: out of memory"):
-        train_loop(cfg, Trainer(fail_at=2), Batches(), LoopState(), 6, saver(out, []), out, print, callbacks=[spy])
+        train_loop(cfg, LoopState(), 6, Trainer(fail_at=2), Batches(), saver(out, []), [spy])
     assert [s for s, _ in spy.of("step")] == [1, 2] and spy.calls[-1] == ("end",)
 
 
@@ -195,8 +192,28 @@ def test_early_stopping_saves_and_is_heard_before_the_end(tiny_config, tmp_path)
         value = next(values)
         return value, {"eval_loss": value}
 
-    assert train_loop(cfg, Trainer(), Batches(), LoopState(), 6, saver(out, []), out, said.append,
-                      evaluate=evaluate, callbacks=[spy]) is True
+    assert train_loop(cfg, LoopState(), 6, Trainer(), Batches(), saver(out, []), [spy], evaluate=evaluate,
+                      echo=said.append) is True
     assert [s for s, _ in spy.of("eval")] == [1, 2]
     assert spy.of("checkpoint") == [(2, out / "checkpoint-2")] and spy.calls[-1] == ("end",)
     assert said and said[0].startswith("early stopping at step 2")
+
+
+def test_run_takes_callbacks_that_hear_the_whole_run_after_its_own(tiny_config, tmp_path):
+    """The public `run(cfg, backend, callbacks=[...])`: a callback hears every step with the numbers the run
+    returns, and comes after the run's own (metrics.jsonl is written before it hears a line)."""
+    from mudpuppy import create_backend, run
+
+    class Reader(Spy):
+        def on_log(self, record):
+            super().on_log(record)
+            written = (out / "metrics.jsonl").read_text().splitlines()
+            self.calls.append(("written", json.loads(written[-1]) == record))
+
+    cfg = config(tiny_config, save_steps=3)
+    out, spy = Path(cfg.output_dir), Reader()
+    result = run(cfg, create_backend("cpu"), echo=lambda *_: None, callbacks=[spy])
+    assert spy.calls[0] == ("start", 6, 0) and spy.calls[-1] == ("end",)
+    assert [m["loss"] for _, m in spy.of("step")] == result.losses and len(result.losses) == 6
+    assert [s for s, _ in spy.of("checkpoint")] == [3, 6]
+    assert spy.of("written") and all(same for (same,) in spy.of("written"))
