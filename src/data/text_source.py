@@ -63,8 +63,9 @@ def open_content(path: Path, display: str):
     if path.suffix.lower() == ".zip":
         import zipfile
 
-        archive = zipfile.ZipFile(path)
-        return archive.open(zip_member(path, display))
+        member = zip_member(path, display)
+        with zipfile.ZipFile(path) as archive:      # the member keeps the file open until it is closed
+            return archive.open(member)
     kind = compression(path)
     if kind is None:
         return open(path, "rb")
