@@ -90,3 +90,24 @@ def test_the_parent_parses_no_line_while_workers_tokenize(make_cfg, tok, tokeniz
     for a, b in zip([*old.train, *old.val], [*new.train, *new.val]):
         assert a.source == b.source and np.array_equal(a.input_ids, b.input_ids)
         assert np.array_equal(a.loss_mask, b.loss_mask)
+
+
+def test_a_streamed_file_without_lines_goes_to_the_workers_as_records(make_cfg, tok, tokenizer_dir, write,
+                                                                      monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(pipeline, "CHUNK", 4)
+    rows = "".join(f"q {i},a {i}\n" for i in range(30))
+    path = write("d.csv", "prompt,completion\n" + rows)
+    monkeypatch.setattr(stream, "KEEP", 0)
+    cfg = make_cfg([{"path": str(path), "num_samples": 21}], num_proc=2)
+    loaded = load_data(cfg, "sft")
+    assert loaded.train[0].stream is not None
+    jobs = list(loaded.train[0].jobs(4))
+    assert all(isinstance(job, list) for job in jobs) and sum(map(len, jobs)) == 21
+    new = prepare_sft_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, use_cache=False)
+    monkeypatch.setattr(stream, "KEEP", 10**9)
+    old = tokenize_all(cfg, tok, load_data(cfg, "sft"), True)
+    assert [e.source for e in new.train] == [e.source for e in old.train]
+    assert all(np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+               for a, b in zip(old.train, new.train))
