@@ -171,3 +171,32 @@ def test_imatrix_weights_the_blocks(wide_model, tmp_path):
         write(path, "q4_k_m", tmp_path / "bad.gguf", {"blk.0.attn_k.weight": np.ones(100, np.float32)})
     with pytest.raises(MudpuppyError, match="--imatrix weights K-quants"):
         write(path, "q8_0", tmp_path / "q8.gguf", imatrix)
+
+
+def test_moe_experts_take_their_own_rows_of_the_imatrix(tmp_path):
+    """Stacked experts [E, out, in]: expert e is quantized with columns e*in..(e+1)*in of the entry
+    (llama-quant.cpp:784-786); compared with the same experts read from the f32 file."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from mudpuppy.export.gguf import write_gguf
+    from mudpuppy.export.kquants import quantize
+
+    from .test_gguf_families import build
+
+    src = tmp_path / "moe"
+    build("qwen3moe", src)
+    tok = AutoTokenizer.from_pretrained(src)
+    write_gguf(src, tok, None, "f32", tmp_path / "f32.gguf", "moe")
+    exact = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "f32.gguf")).tensors}
+    down = exact["blk.1.ffn_down_exps.weight"]                       # [4 experts, 64, 768]
+    n_in = down.shape[-1]
+    rows = np.random.default_rng(1).random(4 * n_in).astype(np.float32)
+    write_gguf(src, tok, None, "q4_k_m", tmp_path / "k.gguf", "moe", imatrix={"blk.1.ffn_down_exps.weight": rows})
+    stored = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "k.gguf")).tensors}
+    assert stored["blk.1.ffn_down_exps.weight"].tensor_type.name == "Q6_K"    # use_more_bits(1, 2)
+    assert stored["blk.0.ffn_down_exps.weight"].tensor_type.name == "Q4_K"
+    want = np.stack([quantize(down[e], "Q6_K", rows[e * n_in:(e + 1) * n_in]) for e in range(4)])
+    np.testing.assert_array_equal(np.asarray(stored["blk.1.ffn_down_exps.weight"].data).reshape(-1),
+                                  want.reshape(-1))
+    assert not np.array_equal(want, quantize(down, "Q6_K"))
