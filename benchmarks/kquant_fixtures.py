@@ -12,7 +12,8 @@ Writes tests/export/fixtures/kquants.npz: input rows (random weights and the edg
 constant, huge dynamic range, negative-only, tiny values, outliers), importance weights, and the
 reference's bytes for Q2_K..Q6_K and the 32-block fallbacks Q4_0, Q5_0, Q5_1, Q8_0, each without and
 with quant_weights (quantize_<type>(src, dst, nrow, n_per_row, quant_weights), the function
-llama-quantize reaches through ggml_quantize_chunk).
+llama-quantize reaches through ggml_quantize_chunk), and ggml's dequantize_row_<type> of the first
+K-quant rows (what llama.cpp reads back from those blocks).
 
 Compiler flags: ggml builds ggml-quants.c into ggml-base without -march=native (ggml/src/CMakeLists.txt
 puts the arch flags on ggml-cpu only), so on x86-64 nothing is fused into FMA; -ffp-contract=off says
@@ -34,6 +35,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "export" / "fixtures" / "kquants.npz"
+DEQUANTIZED = 10                 # rows whose blocks are also stored as llama.cpp dequantizes them
 
 # ggml_type enum value, block size, bytes per block (ggml.h, ggml-common.h)
 TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
@@ -90,6 +92,17 @@ def quantize(lib: ctypes.CDLL, name: str, rows: np.ndarray, weights: np.ndarray 
     qw = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
     written = fn(rows.ctypes.data, out.ctypes.data, nrow, n, None if qw is None else qw.ctypes.data)
     assert written == out.size, (name, written, out.size)
+    return out
+
+
+def dequantize(lib: ctypes.CDLL, name: str, blocks: np.ndarray, n: int) -> np.ndarray:
+    """ggml's dequantize_row_<type> of `blocks` (the reader's side, to check gguf's dequantizer by)."""
+    out = np.zeros(n, dtype=np.float32)
+    fn = getattr(lib, f"dequantize_row_{name[0].lower()}{name[1:]}")
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+    fn(blocks.ctypes.data, out.ctypes.data, n)
     return out
 
 
@@ -154,6 +167,9 @@ def main() -> int:
             if name == "Q4_1":
                 continue
             fixtures[f"{name}"] = quantize(lib, name, rows, None)
+            if name.endswith("_K"):        # llama.cpp's reading of the first DEQUANTIZED rows' blocks
+                head = fixtures[name][: DEQUANTIZED * fixtures[name].size // len(rows)]
+                fixtures[f"{name}_dequantized"] = dequantize(lib, name, head, DEQUANTIZED * rows.shape[1])
             for key, w in weights.items():
                 fixtures[f"{name}_{key}"] = quantize(lib, name, rows, w)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -83,3 +83,15 @@ def test_row_length_must_fill_blocks():
     with pytest.raises(ValueError, match="not a whole number of 256-value blocks"):
         quantize(np.zeros((2, 320), np.float32), "Q4_K")
     assert BLOCK["Q5_0"] == (32, 22)
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_reads_our_blocks_as_llama_cpp_does(qtype):
+    """gguf's dequantizer on our blocks equals ggml's dequantize_row_<type> on the same bytes."""
+    import gguf
+    from gguf.quants import dequantize
+
+    ref = FIXTURES[f"{qtype}_dequantized"]
+    rows = ROWS[: ref.size // ROWS.shape[1]]
+    ours = dequantize(quantize(rows, qtype), getattr(gguf.GGMLQuantizationType, qtype)).reshape(-1)
+    np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
