@@ -71,3 +71,16 @@ def test_the_parity_tolerances_are_the_tests():
     readme = " ".join(README.read_text(encoding="utf-8").split())
     assert f"torch and MLX agree on logits to {logits}" in readme
     assert f"ten steps' losses to {losses}" in readme
+
+
+def test_the_quickstart_claim_is_the_slow_tests():
+    """The demo's claim is what tests/slow/test_quickstart.py asserts, not a figure without its date."""
+    slow = (ROOT / "tests" / "slow" / "test_quickstart.py").read_text(encoding="utf-8")
+    below = float(re.search(r'before\["exact_match"\] < ([\d.]+)', slow)[1])
+    above = float(re.search(r'after\["exact_match"\] >= ([\d.]+)', slow)[1])
+    limit = int(re.search(r"assert seconds < (\d+)", slow)[1])
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    words = {600: "ten minutes"}
+    assert f"exact match from under {below:.0%}" in readme and f"to at least {above:.0%}" in readme
+    assert f"in under {words.get(limit, f'{limit} s')} on two CPU cores" in readme
+    assert "tests/slow/test_quickstart.py" in readme and "1.5 minutes" not in readme
