@@ -65,7 +65,7 @@ def read_datasets(cfg) -> tuple[DataCounts, list[str]]:
     for ds in loaded.train + loaded.val:
         n = ds.skipped_count()
         bad += n
-        lines.append(f"  {ds.name}: {ds.format}, {ds.record_count()} record(s) read" + (f", {n} bad:" if n else ""))
+        lines.append(f"  {ds.name}: {ds.format}, {ds.record_count()} usable record(s)" + (f", {n} bad:" if n else ""))
         lines += [f"    {line}" for line in ds.skipped]
         if n > len(ds.skipped):
             lines.append(f"    ... and {n - len(ds.skipped)} more")
@@ -82,16 +82,19 @@ def mix_lines(cfg, counts: DataCounts | None) -> list[str]:
         return ["  mix: no training datasets"]
     ratios = [s.ratio for s in specs] if any(s.ratio is not None for s in specs) else None
     if counts is None:
-        asked = [f"ratio {s.ratio:g}" if ratios else f"weight {s.weight:g}" if s.weight is not None else "whole"
-                 for s in specs]
-        return ["  mix: " + ", ".join(f"{s.path} {a}" for s, a in zip(specs, asked))]
+        return ["  mix: " + ", ".join(f"{s.path} {_asked(s, ratios)}" for s in specs)]
     drawn = (ratio_counts(ratios, sum(counts.records)) if ratios else
              [n if s.weight is None else round(s.weight * n) for s, n in zip(specs, counts.records)])
     lines = ["  mix (examples drawn from each dataset, before length filtering and any validation split):"]
     for spec, n, take in zip(specs, counts.records, drawn):
-        asked = f"ratio {spec.ratio:g}" if ratios else f"weight {spec.weight:g}" if spec.weight is not None else "whole"
-        lines.append(f"    {spec.path}: {asked}: {take} of its {n} record(s) ({take / max(sum(drawn), 1):.1%})")
+        lines.append(f"    {spec.path}: {_asked(spec, ratios)}: {take} of its {n} record(s) ({take / max(sum(drawn), 1):.1%})")
     return lines
+
+
+def _asked(spec, ratios) -> str:
+    if ratios:
+        return f"ratio {spec.ratio:g}"
+    return f"weight {spec.weight:g}" if spec.weight is not None else "whole"
 
 
 @click.command()

@@ -34,7 +34,7 @@ def test_a_curriculum_is_checked_stage_by_stage():
     assert "a curriculum of 2 stage(s)" in lines[0]
     assert any(line.startswith("  stage 1 (format): ok (method sft") for line in lines)
     assert any(line.startswith("  stage 2 (reward): ok (method grpo") for line in lines)
-    assert "multiply_rl_train.jsonl: rl, 300 record(s) read" in res.output
+    assert "multiply_rl_train.jsonl: rl, 300 usable record(s)" in res.output
 
 
 def test_a_bad_stage_is_named_by_its_index(tmp_path):
@@ -85,7 +85,7 @@ def test_bad_records_a_run_would_skip_are_listed_but_pass(tiny_config, tmp_path)
     cfg = config_with(tiny_config, tmp_path, [{"path": str(data)}], skip_bad_records=True)
     res = validate(cfg, "--data")
     assert res.exit_code == 0, res.output
-    assert "train.jsonl:2:" in res.output and "2 record(s) read, 1 bad" in res.output
+    assert "train.jsonl:2:" in res.output and "2 usable record(s), 1 bad" in res.output
 
 
 def test_the_mix_is_printed_as_the_run_would_draw_it(tiny_config, tmp_path):
@@ -101,3 +101,12 @@ def test_the_mix_is_printed_as_the_run_would_draw_it(tiny_config, tmp_path):
     weighted = config_with(tiny_config, tmp_path, [{"path": str(a), "weight": 0.5}, {"path": str(b), "weight": 2}])
     res = validate(weighted, "--data")
     assert f"{a}: weight 0.5: 15 of its 30" in res.output and f"{b}: weight 2: 20 of its 10" in res.output
+
+
+def test_docs_cli_shows_what_validate_prints(monkeypatch):
+    """docs/cli.md's capture of `mudpuppy validate configs/grpo-tools.yaml --data` is today's output."""
+    doc = (CONFIGS.parent / "docs" / "cli.md").read_text(encoding="utf-8")
+    shown = doc.split("$ mudpuppy validate configs/grpo-tools.yaml --data\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(CONFIGS.parent)
+    res = validate("configs/grpo-tools.yaml", "--data")
+    assert res.exit_code == 0 and res.output == shown
