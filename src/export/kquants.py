@@ -28,8 +28,6 @@ QK_K = 256
 # dev machine Q4_K of a 2048 x 2048 matrix took 1.4 s against 2.9 s with 1M-value chunks.
 CHUNK = 1 << 16
 THREADS = min(2, os.cpu_count() or 1)     # numpy releases the GIL inside each operation
-K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-LEGACY = ("Q4_0", "Q5_0", "Q5_1", "Q8_0")
 BLOCK = {"Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
          "Q4_0": (32, 18), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34)}
 
