@@ -84,20 +84,20 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) ->
     run.attach_adapter()
     measure = held_out_reward(cfg, backend, handle, data.val, funcs, agent) if data.val else None
     run.measure_before(measure)
-    trainer = run.create_trainer()
+    trainer = backend.create_trainer(handle, cfg.training)    # the runtime's optimizer step (trainer.py)
     rollouts = RolloutBatcher(cfg, backend, handle, data.train, funcs, out, agent)
-    steps = run.restore(rollouts)                              # a resumed run: weights, optimizer, data position
+    steps = run.restore(trainer, rollouts)       # a resumed run: weights, optimizer, RNG, data position
     if run.resume_from is not None and current_ranks().is_main:     # the one process that writes it
         truncate_completions(out / COMPLETIONS, run.state.step)
 
     # -- loop (loop.train_loop): the rollouts sample each step's batches, the objective is GRPO's loss
     evaluate = (lambda: measure().for_loop()) if measure is not None else None
-    stopped_early = train_loop(cfg, run.state, steps, trainer, rollouts, run.checkpoints(rollouts), run.callbacks(),
-                               evaluate=evaluate, objective=GrpoObjective(backend, g), echo=echo)
+    stopped_early = train_loop(cfg, run.state, steps, trainer, rollouts, run.checkpoints(trainer, rollouts),
+                               run.callbacks(), evaluate=evaluate, objective=GrpoObjective(backend, g), echo=echo)
 
     # -- save, then evaluate what was saved
     save_trained(cfg, backend, handle, out)
-    result = run.result(stopped_early)
+    result = run.result(stopped_early, trainer)
     result.after = run.measure_after(measure, count=False)
     rewards = step_rewards(out) if current_ranks().is_main else []      # rank 0 wrote metrics.jsonl
     return run.finish(result, rep.train_examples, rep.val_examples,

@@ -75,9 +75,9 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> 
     layers = qat.prepare(handle)
     start_fq = cfg.qat.fake_quant_after_n_steps or 0
     echo(f"qat: {layers.describe()}; fake quantization from step {start_fq + 1}")
-    trainer = run.create_trainer()
+    trainer = backend.create_trainer(handle, cfg.training)    # the runtime's optimizer step (trainer.py)
     batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
-    steps = run.restore(batcher)                               # a resumed run: weights, optimizer, data position
+    steps = run.restore(trainer, batcher)       # a resumed run: weights, optimizer, RNG, data position
     held_out = loss_check(cfg, backend, handle, data)
     measured = bool(data.val) and cfg.eval.after_training
 
@@ -90,7 +90,7 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> 
                                              min(start_fq, steps), data, out, echo, held_out, callbacks)
     switching = FakeQuantSwitch(trainer, qat, handle, run.state, start_fq)
     heard = [*outputs.run_callbacks(cfg, out, echo), *callbacks]      # no memory phases in QAT's summary
-    stopped_early = train_loop(cfg, run.state, steps, switching, batcher, run.checkpoints(batcher), heard,
+    stopped_early = train_loop(cfg, run.state, steps, switching, batcher, run.checkpoints(trainer, batcher), heard,
                                evaluate=held_out, echo=echo)
 
     # -- save the float fine-tune, measure it fake-quantized, convert, save and measure the result
@@ -98,7 +98,7 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> 
     trained = out / TRAINED
     with staged_final(out) as stage:      # each save written beside, renamed into output_dir once complete
         _save_trained(cfg, backend, handle, stage / TRAINED)
-    result = run.result(stopped_early)
+    result = run.result(stopped_early, trainer)
     fake = evaluate(backend, handle, data, cfg.eval) if measured else None
     with staged_final(out) as stage:
         size = qat.convert(handle, layers, stage)

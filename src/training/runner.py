@@ -86,21 +86,21 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
 
     measure = held_out if val_batches else None
     run.measure_before(measure)
-    trainer = run.create_trainer()
+    trainer = backend.create_trainer(handle, cfg.training)    # the runtime's optimizer step (trainer.py)
     batcher = Batcher.from_config(train_items, cfg, pad, collate_fn=recipe.collate)
-    steps = run.restore(batcher)                               # a resumed run: weights, optimizer, data position
+    steps = run.restore(trainer, batcher)       # a resumed run: weights, optimizer, RNG, data position
 
     # -- loop (loop.train_loop), minimising the recipe's objective
     evaluate = (lambda: held_out().for_loop()) if val_batches else None
-    stopped_early = train_loop(cfg, run.state, steps, trainer, batcher, run.checkpoints(batcher), run.callbacks(),
-                               evaluate=evaluate, objective=recipe.objective, echo=echo)
+    stopped_early = train_loop(cfg, run.state, steps, trainer, batcher, run.checkpoints(trainer, batcher),
+                               run.callbacks(), evaluate=evaluate, objective=recipe.objective, echo=echo)
 
     # -- save, then evaluate what was saved
     if recipe.head is not None:
         save_whole(cfg, backend, handle, out, echo)
     else:
         save_trained(cfg, backend, handle, out)
-    result = run.result(stopped_early)
+    result = run.result(stopped_early, trainer)
     result.after = run.measure_after(measure)
     # merge: true, but a reward model's output_dir holds the merged model already (save_whole)
     return run.finish(result, len(train), len(val), merge=recipe.head is None, objective=method,

@@ -10,13 +10,13 @@ first, so that a data problem costs nothing, then:
     run.take_output_dir()                                       the replaced run goes, the config copy comes
     run.measure_before(measure)                                 held-out numbers before training
     run.attach_adapter()                                        with its two lines of output
-    trainer = run.create_trainer(); batcher = ...
-    steps = run.restore(batcher)                                a resumed run's state back from its checkpoint
+    trainer = backend.create_trainer(run.handle, cfg.training); batcher = ...
+    steps = run.restore(trainer, batcher)                       a resumed run's state back from its checkpoint
                                                                 (the next older one when it does not load)
-    stopped_early = train_loop(cfg, run.state, steps, trainer, batcher, run.checkpoints(batcher),
+    stopped_early = train_loop(cfg, run.state, steps, trainer, batcher, run.checkpoints(trainer, batcher),
                                run.callbacks(), evaluate=..., objective=...)
     ... save what was trained
-    result = run.result(stopped_early)
+    result = run.result(stopped_early, trainer)
     result.after = run.measure_after(measure)
     return run.finish(result, n_train, n_val, **summary_fields)  merge, memory, seconds, run_summary.json
 
@@ -57,7 +57,6 @@ class Run:
     handle: object                              # the loaded model (protocol.ModelHandle)
     state: LoopState = field(default_factory=LoopState)
     info: object = None                         # the attached adapter (protocol.AdapterInfo)
-    trainer: object = None
     memory: MemoryPhases | None = None          # peak device memory by phase, once the loop has callbacks
     record: dict = field(default_factory=dict)  # what trains this run (resume_changes.trained_with)
     changes: list[dict] = field(default_factory=list)   # settings changed at a resume: earlier ones, then this one's
@@ -105,18 +104,14 @@ class Run:
         self.echo(f"adapter: {self.info.describe()}")
         return self.info
 
-    def create_trainer(self):
-        self.trainer = self.backend.create_trainer(self.handle, self.cfg.training)
-        return self.trainer
-
-    def restore(self, batcher) -> int:
+    def restore(self, trainer, batcher) -> int:
         """The run's total optimizer steps; a resumed run first gets its weights, optimizer, data position
         and loop state back from the checkpoint it resumes. One whose damage shows only while it loads is
         skipped with one line for the next older one that reads, whose settings are checked in turn."""
         steps = total_steps_for(self.cfg, batcher)
         while self.resume_from is not None:
             try:
-                self.state = restore(self.cfg, self.backend, self.handle, self.trainer, batcher, self.resume_from)
+                self.state = restore(self.cfg, self.backend, self.handle, trainer, batcher, self.resume_from)
                 break
             except Exception as exc:      # noqa: BLE001 - _damaged_while_loading decides; anything else re-raised
                 if not _damaged_while_loading(exc):
@@ -141,9 +136,9 @@ class Run:
         self.changes = resume_changes.history_of(older) + self.accepted
         self.claim.resume_from = older
 
-    def checkpoints(self, batcher) -> Checkpoints:
+    def checkpoints(self, trainer, batcher) -> Checkpoints:
         """Each checkpoint also records what trained it and the changes accepted so far (resume_changes.py)."""
-        return checkpoint_writer(self.cfg, self.backend, self.handle, self.trainer, batcher, self.out,
+        return checkpoint_writer(self.cfg, self.backend, self.handle, trainer, batcher, self.out,
                                  recorded=lambda: {resume_changes.RECORD: self.record,
                                                    resume_changes.HISTORY: self.changes})
 
@@ -154,12 +149,12 @@ class Run:
         callbacks = outputs.run_callbacks(self.cfg, self.out, self.echo)
         return [*callbacks, *resume_changes.changes_line(callbacks, self.accepted), self.memory, *self.extra]
 
-    def result(self, stopped_early: bool) -> RunResult:
+    def result(self, stopped_early: bool, trainer) -> RunResult:
         """What the loop did, with the numbers from before training (from the checkpoint when resumed). The
         trained weights are saved and the last checkpoint written: the trainer releases its optimizer state
         and gradients, so the evaluation and the merge after training have that memory."""
-        if self.trainer is not None:
-            self.trainer.release()
+        if trainer is not None:
+            trainer.release()
         state = self.state
         result = RunResult(self.out, state.step, state.losses, state.lrs, skipped_steps=state.skipped,
                            stopped_early=stopped_early, model=self.handle, resumed_from=resumed_step(self.resume_from))

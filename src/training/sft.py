@@ -39,17 +39,17 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> 
     measure = measure_model(cfg, backend, handle, data)
     run.measure_before(measure)
     run.attach_adapter()
-    trainer = run.create_trainer()
+    trainer = backend.create_trainer(handle, cfg.training)    # the runtime's optimizer step (trainer.py)
     batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
-    steps = run.restore(batcher)                               # a resumed run: weights, optimizer, data position
+    steps = run.restore(trainer, batcher)       # a resumed run: weights, optimizer, RNG, data position
 
     # -- loop: each optimizer step is written out in loop.train_loop, the runtime's part in its trainer.step
-    stopped_early = train_loop(cfg, run.state, steps, trainer, batcher, run.checkpoints(batcher), run.callbacks(),
-                               evaluate=loss_check(cfg, backend, handle, data), echo=echo)
+    stopped_early = train_loop(cfg, run.state, steps, trainer, batcher, run.checkpoints(trainer, batcher),
+                               run.callbacks(), evaluate=loss_check(cfg, backend, handle, data), echo=echo)
 
     # -- save, then evaluate what was saved
     save_trained(cfg, backend, handle, run.out)
-    result = run.result(stopped_early)
+    result = run.result(stopped_early, trainer)
     result.after = run.measure_after(measure)
     return run.finish(result, rep.train_examples, rep.val_examples)
 

@@ -288,7 +288,7 @@ def test_cpu_backend_refuses_memory_features_before_loading(tiny_config, tmp_pat
 def test_out_of_memory_names_what_to_try_and_keeps_the_checkpoint(tiny_config, tmp_path, monkeypatch):
     from mudpuppy.backends.torch.backend import TorchTrainer
 
-    real = TorchTrainer._step
+    real = TorchTrainer._forward
     calls = [0]
 
     def step(self, *args, **kwargs):
@@ -297,7 +297,7 @@ def test_out_of_memory_names_what_to_try_and_keeps_the_checkpoint(tiny_config, t
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(TorchTrainer, "_step", step)
+    monkeypatch.setattr(TorchTrainer, "_forward", step)
     tiny_config["training"].update(max_steps=4, save_steps=1, gradient_checkpointing=False)
     tiny_config["eval"] = {"before_training": False, "after_training": False}
     path = tmp_path / "cfg.yaml"

@@ -33,7 +33,7 @@ def test_the_numbers_before_training_survive_a_checkpoint_typed(tmp_path, measur
     assert lines == [f"before training: {measured.describe()}"]
     # what a resumed run reads back: the loop state as a checkpoint holds it (JSON)
     run.state = LoopState.from_dict(json.loads(json.dumps(run.state.__dict__)))
-    result = run.result(stopped_early=False)
+    result = run.result(stopped_early=False, trainer=None)
     assert isinstance(result.before, EvalResult) and result.before.as_dict() == measured.as_dict()
 
 
@@ -43,7 +43,7 @@ def test_a_resumed_run_measures_nothing_before_and_eval_flags_are_honoured(tmp_p
 
     run, lines = a_run(tmp_path, resume_from=tmp_path / "checkpoints" / "step-2")
     run.measure_before(never)
-    assert lines == [] and run.state.before is None and run.result(False).resumed_from == 2
+    assert lines == [] and run.state.before is None and run.result(False, None).resumed_from == 2
     run, lines = a_run(tmp_path, before=False, after=False)
     run.measure_before(never)
     assert run.measure_after(never) is None and lines == []
@@ -60,18 +60,19 @@ def test_the_trainer_releases_its_memory_after_the_last_checkpoint_and_before_th
     from mudpuppy.backends.torch.trainer import TorchTrainer
     from mudpuppy.training import session
 
-    events = []
+    events, released = [], []
     real_release = TorchTrainer.release
 
     def release(self):
         out = Path(tiny_config["output_dir"])
         events.append(("release", (out / "checkpoints").is_dir(), (out / "adapter_model.safetensors").is_file()))
+        released.append(self)
         real_release(self)
 
     real_measure = session.Run.measure_after
     monkeypatch.setattr(TorchTrainer, "release", release)
     monkeypatch.setattr(session.Run, "measure_after",
-                        lambda self, *a, **k: events.append(("evaluate", self.trainer.optimizer is None))
+                        lambda self, *a, **k: events.append(("evaluate", [t.optimizer for t in released] == [None]))
                         or real_measure(self, *a, **k))
     tiny_config["training"].update(max_steps=2, save_steps=2)
     run(load_config(tiny_config), create_backend("cpu"), echo=lambda *_: None)

@@ -76,7 +76,8 @@ class MlxTrainer:
         return loss * scale, loss
 
     def step(self, micro_batches, lr: float, objective=None) -> StepResult:
-        """One update; `objective` (see protocol.Objective) replaces the SFT token loss."""
+        """One optimizer update over `micro_batches`, written out: forward, loss and backward, clipping, the
+        optimizer. `objective` (protocol.Objective) replaces SFT's token loss."""
         objective = objective or TokenLoss()
         model = self.handle.model
         model.train()
@@ -88,7 +89,8 @@ class MlxTrainer:
         # The step's loss units, of every rank in a distributed run, normalise it (stepping.py says why).
         ledger = StepLedger(micro_batches, objective, self.ranks, all_sum)
         grads = None
-        # Gradients are averaged once per step, below: a micro-batch without loss units here is not run.
+        # Forward, loss and backward (mlx's value_and_grad) micro-batch by micro-batch, the gradients adding up.
+        # They are averaged over ranks once per step, below: a micro-batch without loss units here is not run.
         for i in ledger.run_here:
             (_, raw), g = self._value_and_grad(objective, micro_batches[i], ledger.scale)
             grads = g if grads is None else tree_map(mx.add, grads, g)
@@ -105,10 +107,12 @@ class MlxTrainer:
             mx.eval(grads)
         if grads is None or not ledger.units:
             return ledger.result(0.0, skipped=True)
+        # Clipping, as torch's clip_grad_norm_ does it; a non-finite loss or norm skips the update.
         grad_norm = global_norm(grads).item()
         if not ledger.finite(grad_norm):
             return ledger.result(grad_norm, skipped=True)
         grads = clip_by_norm(grads, grad_norm, self.cfg.max_grad_norm)
+        # The optimizer's update, at the learning rate the loop's schedule gave.
         self.optimizer.learning_rate = lr
         self.optimizer.update(model, grads)
         mx.eval(model.trainable_parameters(), self.optimizer.state)

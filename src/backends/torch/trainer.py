@@ -37,55 +37,53 @@ class TorchTrainer:
             self.scaler = torch.amp.GradScaler(backend.plan.device.type)
 
     def step(self, micro_batches, lr: float, objective=None) -> StepResult:
-        """One update; `objective` (see protocol.Objective) replaces the SFT token loss.
-
-        Running out of device memory raises one MudpuppyError naming what to change (memory.py)."""
+        """One optimizer update over `micro_batches`, written out: forward and loss, backward, clipping, the
+        optimizer. `objective` (protocol.Objective) replaces SFT's token loss. Running out of device memory
+        raises one MudpuppyError naming what to change (memory.py)."""
         from .memory import explain_out_of_memory
 
-        plan = self.backend.plan
+        plan, engine = self.backend.plan, self.engine
         with explain_out_of_memory(plan.name, self.cfg, self.handle.adapter_type, plan.memory,
                                    gpu=plan.device.type != "cpu"):
-            return self._step(micro_batches, lr, objective)
-
-    def _step(self, micro_batches, lr: float, objective=None) -> StepResult:
-        objective = objective or TokenLoss(self.backend)
-        model = self.handle.model
-        model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        engine, device = self.engine, self.backend.plan.device
-        # The step's loss units, of every rank in a distributed run, normalise it (stepping.py says why).
-        all_sum = (lambda values: engine.all_sum(values, device)) if engine else None
-        ledger = StepLedger(micro_batches, objective, engine.ranks if engine else None, all_sum)
-        # DDP and FSDP synchronise inside the backward pass: every rank runs the micro-batches that have
-        # loss units on any rank, and the last one run synchronises the gradients.
-        runs = ledger.run_by_all
-        for i in runs:
-            batch = micro_batches[i]
-            with engine.micro_batch(sync=i == runs[-1]) if engine else contextlib.nullcontext(), \
-                    self.backend.step_kernels(self.handle, batch, compiled=self.cfg.compile):
-                loss, metrics = self._forward(objective, batch)
-                scaled = loss * (ledger.scale * ledger.weight(i))
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            ledger.add(i, float(loss.detach()), metrics)
-        ledger.finish()
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # clip and report the true gradient norm
-        clip = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        grad_norm = (engine.grad_norm(self.params, clip) if engine
-                     else float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
-        if not ledger.finite(grad_norm):
-            if self.scaler:
-                self.scaler.update()  # an fp16 overflow: lower the scale and try the next step
+            objective = objective or TokenLoss(self.backend)
+            self.handle.model.train()
             self.optimizer.zero_grad(set_to_none=True)
-            return ledger.result(grad_norm, skipped=True)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        return ledger.result(grad_norm)
+            # The step's loss units, of every rank in a distributed run, normalise it (stepping.py says why).
+            all_sum = (lambda values: engine.all_sum(values, plan.device)) if engine else None
+            ledger = StepLedger(micro_batches, objective, engine.ranks if engine else None, all_sum)
+            # Forward, loss and backward, micro-batch by micro-batch, the gradients adding up. DDP and FSDP
+            # synchronise inside the backward pass: every rank runs the micro-batches that have loss units on
+            # any rank, and the last one run synchronises the gradients.
+            runs = ledger.run_by_all
+            for i in runs:
+                batch = micro_batches[i]
+                with engine.micro_batch(sync=i == runs[-1]) if engine else contextlib.nullcontext(), \
+                        self.backend.step_kernels(self.handle, batch, compiled=self.cfg.compile):
+                    loss, metrics = self._forward(objective, batch)
+                    scaled = loss * (ledger.scale * ledger.weight(i))
+                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                ledger.add(i, float(loss.detach()), metrics)
+            ledger.finish()
+            # Clipping, on the true gradient norm (an fp16 loss scale taken off first).
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            clip = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+            grad_norm = (engine.grad_norm(self.params, clip) if engine
+                         else float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
+            if not ledger.finite(grad_norm):
+                if self.scaler:
+                    self.scaler.update()  # an fp16 overflow: lower the scale and try the next step
+                self.optimizer.zero_grad(set_to_none=True)
+                return ledger.result(grad_norm, skipped=True)
+            # The optimizer's update, at the learning rate the loop's schedule gave.
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            return ledger.result(grad_norm)
 
     def _forward(self, objective, batch):
         """One micro-batch's summed loss and metrics, through the engine's forward when there is one."""
