@@ -29,9 +29,11 @@ def tiny_quickstart(folder: Path, model_dir: Path) -> None:
     cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text(encoding="utf-8"))
     cfg["model"]["base_model"] = str(model_dir)
     data = ROOT / "configs" / "data"
-    cfg["data"]["datasets"] = [{"path": str(data / "smart_home_train.jsonl"), "num_samples": 48}]
-    cfg["data"]["val_datasets"] = [{"path": str(data / "smart_home_val.jsonl"), "num_samples": 16}]
-    cfg["training"].update(epochs=1, micro_batch_size=8, precision="fp32")
+    cfg["data"]["datasets"] = [{"path": str(data / "smart_home_train.jsonl"), "num_samples": 16}]
+    cfg["data"]["val_datasets"] = [{"path": str(data / "smart_home_val.jsonl"), "num_samples": 8}]
+    cfg["data"]["sequence_len"] = 128
+    cfg["training"].update(epochs=1, micro_batch_size=4, precision="fp32")
+    cfg["eval"].update(max_samples=8, max_new_tokens=4)
     cfg["logging"] = {"progress_bar": False}
     (folder / "configs").mkdir()
     (folder / "configs" / "quickstart.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
