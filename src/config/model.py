@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from .base import _Strict
+
+_PISSA_NITER = re.compile(r"pissa_niter_[1-9][0-9]*")
 
 
 class ModelConfig(_Strict):
@@ -46,6 +49,12 @@ class AdapterConfig(_Strict):
     init_from: str | None = Field(
         None, description="start from this adapter's weights (a PEFT or mlx-lm adapter directory of the same "
                           "type, r and target modules) instead of a fresh initialisation; curricula set it per stage")
+    init: str = Field(
+        "default", description="LoRA's starting weights (PEFT's init_lora_weights): default (A kaiming-uniform, B "
+                               "zero), gaussian (A normal, std 1/r), pissa (A, B the top-r singular triplets of each "
+                               "weight, the base their residual), pissa_niter_N (the same by N-iteration randomized "
+                               "SVD), olora (A, B from each weight's QR); pissa and olora save as a plain LoRA of "
+                               "rank 2r on the original base")
 
     @model_validator(mode="after")
     def _quant_options_fit(self):
@@ -53,6 +62,25 @@ class AdapterConfig(_Strict):
             raise ValueError("quant_group_size does not apply to mxfp4, whose blocks are always 32 values")
         if self.quant_group_size is not None and self.quant_group_size % 2:
             raise ValueError("quant_group_size must be even (two 4-bit values share a byte)")
+        return self
+
+    @field_validator("init")
+    @classmethod
+    def _known_init(cls, v):
+        if v not in ("default", "gaussian", "pissa", "olora") and not _PISSA_NITER.fullmatch(v):
+            raise ValueError(f"unknown LoRA initialisation {v!r}; use default, gaussian, pissa, pissa_niter_N "
+                             "(N iterations, e.g. pissa_niter_4) or olora")
+        return v
+
+    @model_validator(mode="after")
+    def _init_fits_type(self):
+        if self.init in ("default", "gaussian"):
+            return self
+        if self.type != "lora":
+            raise ValueError(f"init {self.init} moves part of each base weight into the adapter, which needs a "
+                             f"plain LoRA on unquantized weights; adapter.type {self.type} cannot take it (use lora)")
+        if self.init_from:
+            raise ValueError(f"init {self.init} and init_from both set the adapter's starting weights; keep one")
         return self
 
     @field_validator("target_modules")

@@ -1,7 +1,7 @@
 """Attaching an adapter on torch: PEFT's LoRA / DoRA (and QLoRA's, on a base quantized first), on linear
 layers and on mixture-of-experts fused tensors (experts.py), or every weight trainable; which layers are
-targets; a curriculum stage's adapter as the starting point (adapter.init_from); the frozen base kept in
-the compute dtype."""
+targets; its initialisation (adapter.init, lora_init.py); a curriculum stage's adapter as the starting point
+(adapter.init_from); the frozen base kept in the compute dtype."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import torch
 
 from ...errors import MudpuppyError
 from ..adapters import choose_target_modules, choose_target_parameters
+from ..adapters.init import mutates_base, peft_init
 from ..protocol import AdapterInfo
 from .experts import warn_if_mostly_unadapted
 from .frozen import FrozenLinear
 from .handle import HEADS, TorchModel, unwrap
+from .lora_init import check_mutable_bases, record_initial
 from .vision import freeze_vision_tower, lora_targets
 
 
@@ -57,6 +59,7 @@ def attach_adapter(backend, handle: TorchModel, adapter_cfg) -> AdapterInfo:
                 f"without {'DoRA' if adapter_cfg.type == 'dora' else 'dropout'}; use adapter.type lora (or qlora) "
                 "with adapter.dropout: 0, or list target_modules without the experts")
         task = HEADS[handle.head][2] if handle.head else "CAUSAL_LM"
+        init = getattr(adapter_cfg, "init", "default")
         routers = layout.router_names() if getattr(adapter_cfg, "train_router", False) else []
         config = LoraConfig(
             r=adapter_cfg.r, lora_alpha=adapter_cfg.alpha, lora_dropout=adapter_cfg.dropout,
@@ -66,11 +69,15 @@ def attach_adapter(backend, handle: TorchModel, adapter_cfg) -> AdapterInfo:
             target_parameters=parameters or None,
             # The router trains in full when asked (adapter.train_router); PEFT saves it with the adapter.
             modules_to_save=routers or None,
+            init_lora_weights=peft_init(init),
         )
-        # PEFT reads each wrapped layer's weight only for its device and dtype, except DoRA (its norms).
-        cheap = weight_reads_without_values() if adapter_cfg.type != "dora" else contextlib.nullcontext()
-        with cheap:
+        check_mutable_bases(model, spec, init)
+        # PEFT reads each wrapped layer's weight only for its device and dtype, except DoRA (its norms)
+        # and PiSSA / OLoRA (which factor it).
+        values = adapter_cfg.type == "dora" or mutates_base(init)
+        with weight_reads_without_values() if not values else contextlib.nullcontext():
             handle.model = model = get_peft_model(model, config)
+        record_initial(model, init)
         if handle.autocast_dtype is not None and adapter_cfg.type != "qlora":
             store_frozen_linears_in(unwrap(model), handle.autocast_dtype)
         if getattr(adapter_cfg, "init_from", None):

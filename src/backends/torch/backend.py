@@ -25,6 +25,7 @@ from ..protocol import AdapterInfo
 from ..routing import read_router_aux_coefficient
 from .handle import HEADS, SCALAR_HEADS, DevicePlan, TorchModel, cache_on, unwrap
 from .attach import attach_adapter
+from .lora_init import save_plain
 from .trainer import TorchTrainer
 from .devices import convert_to_fp8
 from .forward import TorchForward
@@ -213,6 +214,7 @@ class TorchBackend(TorchForward):
         state = self._gather_state(handle, trainable_only=True)
         if self.ranks.is_main:
             handle.model.save_pretrained(path, safe_serialization=True, **state)
+            save_plain(handle.model, path)          # PiSSA / OLoRA: a plain LoRA on the original base
             record_base(path, base_record_of_path(handle.source))
 
     def load_adapter(self, handle: TorchModel, path: str) -> None:

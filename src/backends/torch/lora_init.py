@@ -1,0 +1,56 @@
+"""adapter.init on torch: PEFT's init_lora_weights, with PiSSA's and OLoRA's starting factors kept so the
+saved adapter is a plain LoRA on the original base (adapters/init.py says why and how)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import MudpuppyError
+from ..adapters.init import canonical_signs, mutates_base, rewrite_as_plain_lora
+from .frozen import FrozenLinear
+from .handle import unwrap
+
+# Where the starting (A0, B0) of a PiSSA / OLoRA adapter live: on the PEFT model itself, so they go
+# with it (a merge or a reload replaces the model, and with it this record).
+INITIAL = "mudpuppy_lora_init"
+
+
+def check_mutable_bases(model, targets: list[str], init: str) -> None:
+    """PiSSA and OLoRA rewrite each target's weight; a layer keeping its weight outside a float parameter
+    (4-bit, compact or streamed: frozen.py) cannot take the residual."""
+    if not mutates_base(init):
+        return
+    held = sorted({name for name, mod in model.named_modules()
+                   if name.rsplit(".", 1)[-1] in targets and isinstance(mod, FrozenLinear)})
+    if held:
+        raise MudpuppyError(f"adapter.init {init}: {len(held)} target layers (e.g. {held[0]}) keep their weight "
+                            "outside a plain parameter (a bf16 checkpoint computed in fp32, offload or streaming); "
+                            "load the model with model.dtype float32 and no memory offload, or use adapter.init "
+                            "default")
+
+
+def record_initial(model, init: str) -> None:
+    """After PEFT's PiSSA / OLoRA: each component's sign made canonical (as MLX makes it), and the starting
+    factors kept on the model for `save_plain`."""
+    if not mutates_base(init):
+        return
+    from peft.tuners.lora import LoraLayer
+
+    initial = {}
+    for name, layer in unwrap(model).named_modules():
+        if isinstance(layer, LoraLayer) and "default" in layer.lora_A:
+            a_param, b_param = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            a, b = canonical_signs(a_param.detach().float().cpu().numpy(), b_param.detach().float().cpu().numpy())
+            with torch.no_grad():
+                a_param.copy_(torch.from_numpy(a))
+                b_param.copy_(torch.from_numpy(b))
+            initial[name] = (a, b)
+    setattr(model, INITIAL, initial)
+
+
+def save_plain(model, path: str) -> None:
+    """The adapter PEFT just wrote at `path`, rewritten as a plain LoRA on the original base when it
+    started from PiSSA / OLoRA; any other adapter is left as written."""
+    initial = getattr(model, INITIAL, None)
+    if initial:
+        rewrite_as_plain_lora(path, initial)
