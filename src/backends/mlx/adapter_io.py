@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -17,7 +18,8 @@ from ...errors import MudpuppyError
 from .. import adapters as fmt
 from ..provenance import base_record_of_path
 from .experts import SPLITS, TARGETS, expert_adapters, expert_modules, torch_path, wrap_experts
-from .layers import adapter_layers, linear_dims, linear_layers, wrap_linears
+from ..adapters.init import as_plain_lora, initial_factors, mutates_base
+from .layers import adapter_layers, base_weight, linear_dims, linear_layers, wrap_linears
 from .loading import HEAD_NAME
 
 
@@ -64,8 +66,37 @@ def adapter_from_model(handle) -> fmt.Adapter:
                        task_type=task, full=full, experts=experts, expert_layout=layout)
 
 
+def initialise(handle, init: str) -> None:
+    """adapter.init on the freshly wrapped layers: PEFT's gaussian A (std 1/r), or PiSSA's / OLoRA's
+    factors from each base weight with the base replaced by their residual, computed as on torch
+    (adapters/init.py) and kept in handle.adapter["initial"] for `save_adapter`. default: as wrapped."""
+    layers = adapter_layers(handle.model)
+    if init == "gaussian":
+        for layer in layers.values():
+            layer.lora_a = mx.random.normal(layer.lora_a.shape) / layer.lora_a.shape[1]
+    elif mutates_base(init):
+        if expert_adapters(handle.model):
+            raise MudpuppyError(f"adapter.init {init}: this model's fused experts take PEFT's adapter, which "
+                                "PiSSA and OLoRA do not factor; list target_modules without the experts")
+        quantized = sorted(p for p, layer in layers.items() if isinstance(layer.linear, nn.QuantizedLinear))
+        if quantized:
+            raise MudpuppyError(f"adapter.init {init}: {quantized[0]} and {len(quantized) - 1} more are quantized, and "
+                                "PiSSA / OLoRA replace each weight by a float residual; load an unquantized base")
+        initial = {}
+        for path, layer in layers.items():
+            a, b, residual = initial_factors(init, np.array(base_weight(layer.linear).astype(mx.float32)),
+                                             layer.lora_a.shape[1], layer.scale)
+            layer.lora_a, layer.lora_b = mx.array(a.T), mx.array(b.T)
+            layer.linear.weight = mx.array(residual).astype(layer.linear.weight.dtype)
+            initial[path] = (a, b)
+        handle.adapter["initial"] = initial
+    mx.eval(handle.model.parameters())
+
+
 def save_adapter(handle, path: str) -> None:
     adapter = adapter_from_model(handle)
+    if handle.adapter.get("initial"):    # PiSSA / OLoRA: a plain LoRA on the original base (adapters/init.py)
+        adapter = as_plain_lora(adapter, handle.adapter["initial"])
     fmt.write_peft(adapter, path)
     fmt.write_mlx(adapter, Path(path) / fmt.MLX_SUBDIR)
     fmt.record_base(path, base_record_of_path(handle.source))   # the base named portably, the exact one beside

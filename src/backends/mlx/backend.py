@@ -151,6 +151,7 @@ class MlxBackend:
                               "rslora": adapter_cfg.rslora, "dropout": adapter_cfg.dropout, "targets": leaves,
                               "quantization": quantization, "experts": experts}
             info_targets = leaves + experts
+            adapter_io.initialise(handle, getattr(adapter_cfg, "init", "default"))
             if getattr(adapter_cfg, "init_from", None):
                 adapter_io.start_from(handle, adapter_cfg.init_from)
         mx.eval(model.parameters())
