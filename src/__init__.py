@@ -3,6 +3,9 @@
     from mudpuppy import load_config, create_backend, run
     cfg = load_config("configs/quickstart.yaml", overrides=["training.max_steps=5"])
     result = run(cfg, create_backend("cpu"))
+
+`run(cfg, backend, callbacks=[...])` hands the training loop your own observers (subclasses of
+mudpuppy.monitor.callbacks.Callback), which hear every step, held-out check and checkpoint.
 """
 
 from .backends import create_backend, probe_all

@@ -111,69 +111,6 @@ class Checkpoints:
         return checkpoints.newest_complete(self.out)
 
 
-def total_steps_for(cfg, batcher: Batcher) -> int:
-    t = cfg.training
-    if t.max_steps:
-        return t.max_steps
-    micro = math.ceil(t.epochs * batcher.batches_per_epoch)
-    return max(1, math.ceil(micro / t.gradient_accumulation_steps))
-
-
-def checkpoint_identity(cfg) -> dict:
-    """What a checkpoint must share with the config that resumes it."""
-    identity = {"base_model": cfg.model.base_model, "method": cfg.method,
-                "adapter": cfg.adapter.model_dump(mode="json", exclude={"dropout"})}
-    if cfg.method != "sft":
-        identity["objective"] = cfg.data_method()     # dpo and kto checkpoints do not mix
-    return identity
-
-
-class GracefulStop:
-    """Ctrl-C and SIGTERM handling for the loop: the first signal asks to stop after the step in progress
-    and save a checkpoint, a second one stops at once.
-
-    SIGTERM is how schedulers and clouds stop a job (SLURM's time limit, Kubernetes, a preempted spot
-    instance, `kill`), with SIGKILL after a grace period: the step in progress finishes and its checkpoint
-    is written inside that period where it fits, and `--resume` continues from it.
-
-    Stopping between steps is what makes the saved checkpoint exact: mid-step, the
-    optimizer update may be half applied and dropout's RNG has moved on, so a
-    checkpoint written then would not resume to the run that was interrupted.
-    """
-
-    SIGNALS = {signal.SIGINT: ("interrupted", "Ctrl-C", 130), signal.SIGTERM: ("terminated", "SIGTERM", 143)}
-
-    def __init__(self, echo, distributed: bool = False):
-        self.echo, self.requested, self.previous, self.received = echo, False, {}, signal.SIGINT
-        # One rank of several: torchrun / mlx.launch send SIGTERM when a peer failed, and finishing the step
-        # would wait on that peer's collectives; the launcher's SIGTERM keeps its default, ending the rank.
-        self.signals = [signal.SIGINT] if distributed else list(self.SIGNALS)
-
-    def __enter__(self) -> "GracefulStop":
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in self.signals}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested, self.received = True, signum
-        _, name, _ = self.SIGNALS[signum]
-        self.echo(f"\n{name}: stopping after this step to save a checkpoint (Ctrl-C or SIGTERM again to stop at once, "
-                  "without saving)")
-
-    def stopped(self, message: str) -> "Interrupted":
-        """The error that ends the run, named by the signal that asked for it, with its shell exit code."""
-        what, _, code = self.SIGNALS[self.received]
-        error = Interrupted(f"{what} {message}")
-        error.exit_code = code
-        return error
-
-
 def train_loop(cfg, state: LoopState, steps: int, trainer, batcher, checkpoints: Checkpoints,
                callbacks: list[Callback], evaluate: Evaluate | None = None, objective=None, echo=print) -> bool:
     """Optimizer steps from state.step to `steps`, each written out below; True when early stopping ended them.
@@ -312,6 +249,69 @@ def check_patience(cfg, state: LoopState, evaluate: Evaluate, report: Callbacks,
              f"{state.best_eval:.4f} for {state.evals_without_gain} evaluations")
         return True
     return False
+
+
+def total_steps_for(cfg, batcher: Batcher) -> int:
+    t = cfg.training
+    if t.max_steps:
+        return t.max_steps
+    micro = math.ceil(t.epochs * batcher.batches_per_epoch)
+    return max(1, math.ceil(micro / t.gradient_accumulation_steps))
+
+
+def checkpoint_identity(cfg) -> dict:
+    """What a checkpoint must share with the config that resumes it."""
+    identity = {"base_model": cfg.model.base_model, "method": cfg.method,
+                "adapter": cfg.adapter.model_dump(mode="json", exclude={"dropout"})}
+    if cfg.method != "sft":
+        identity["objective"] = cfg.data_method()     # dpo and kto checkpoints do not mix
+    return identity
+
+
+class GracefulStop:
+    """Ctrl-C and SIGTERM handling for the loop: the first signal asks to stop after the step in progress
+    and save a checkpoint, a second one stops at once.
+
+    SIGTERM is how schedulers and clouds stop a job (SLURM's time limit, Kubernetes, a preempted spot
+    instance, `kill`), with SIGKILL after a grace period: the step in progress finishes and its checkpoint
+    is written inside that period where it fits, and `--resume` continues from it.
+
+    Stopping between steps is what makes the saved checkpoint exact: mid-step, the
+    optimizer update may be half applied and dropout's RNG has moved on, so a
+    checkpoint written then would not resume to the run that was interrupted.
+    """
+
+    SIGNALS = {signal.SIGINT: ("interrupted", "Ctrl-C", 130), signal.SIGTERM: ("terminated", "SIGTERM", 143)}
+
+    def __init__(self, echo, distributed: bool = False):
+        self.echo, self.requested, self.previous, self.received = echo, False, {}, signal.SIGINT
+        # One rank of several: torchrun / mlx.launch send SIGTERM when a peer failed, and finishing the step
+        # would wait on that peer's collectives; the launcher's SIGTERM keeps its default, ending the rank.
+        self.signals = [signal.SIGINT] if distributed else list(self.SIGNALS)
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in self.signals}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested, self.received = True, signum
+        _, name, _ = self.SIGNALS[signum]
+        self.echo(f"\n{name}: stopping after this step to save a checkpoint (Ctrl-C or SIGTERM again to stop at once, "
+                  "without saving)")
+
+    def stopped(self, message: str) -> "Interrupted":
+        """The error that ends the run, named by the signal that asked for it, with its shell exit code."""
+        what, _, code = self.SIGNALS[self.received]
+        error = Interrupted(f"{what} {message}")
+        error.exit_code = code
+        return error
 
 
 def checkpoint_writer(cfg, backend, handle, trainer, batcher, out,
