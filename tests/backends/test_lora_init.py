@@ -146,3 +146,28 @@ def test_pissa_needs_a_plain_lora(kind):
     with pytest.raises(ValidationError, match="use lora"):
         AdapterConfig(type=kind, init="pissa")
     assert AdapterConfig(type=kind, init="gaussian").init == "gaussian"
+
+
+def test_pissa_on_a_bf16_checkpoint_kept_compact_starts_from_its_function(tiny_model_dir, tmp_path):
+    """On a CPU a bf16 checkpoint under an adapter stays bf16 (frozen.py's compact layers); PiSSA's targets
+    become fp32 parameters holding the residual, and the model still computes what it computed."""
+    from transformers import AutoModelForCausalLM
+
+    from mudpuppy.backends.torch.frozen import FrozenLinear
+
+    bf16 = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
+    bf16.save_pretrained(tmp_path / "bf16")
+    for path in tiny_model_dir.iterdir():
+        if not (tmp_path / "bf16" / path.name).exists():
+            (tmp_path / "bf16" / path.name).write_bytes(path.read_bytes())
+    backend = create_backend("cpu")
+    cfg = AdapterConfig(type="lora", r=4, alpha=8, init="pissa")
+    reference = backend.load_model(ModelConfig(base_model=str(tmp_path / "bf16")), "fp32", adapter=cfg)
+    assert any(isinstance(m, FrozenLinear) for m in reference.model.modules()), "the compact path is taken"
+    batch = random_batch(len(reference.tokenizer))
+    expected = backend.logits(reference, batch)
+    handle = backend.load_model(ModelConfig(base_model=str(tmp_path / "bf16")), "fp32", adapter=cfg)
+    backend.attach_adapter(handle, cfg)
+    q = handle.model.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.base_layer.weight.dtype == torch.float32 and not q.base_layer.weight.requires_grad
+    np.testing.assert_allclose(backend.logits(handle, batch), expected, atol=1e-5)

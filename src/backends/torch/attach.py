@@ -17,7 +17,7 @@ from ..protocol import AdapterInfo
 from .experts import warn_if_mostly_unadapted
 from .frozen import FrozenLinear
 from .handle import HEADS, TorchModel, unwrap
-from .lora_init import check_mutable_bases, record_initial
+from .lora_init import plain_targets, record_initial
 from .vision import freeze_vision_tower, lora_targets
 
 
@@ -71,7 +71,7 @@ def attach_adapter(backend, handle: TorchModel, adapter_cfg) -> AdapterInfo:
             modules_to_save=routers or None,
             init_lora_weights=peft_init(init),
         )
-        check_mutable_bases(model, spec, init)
+        plain_targets(model, spec, init)
         # PEFT reads each wrapped layer's weight only for its device and dtype, except DoRA (its norms)
         # and PiSSA / OLoRA (which factor it).
         values = adapter_cfg.type == "dora" or mutates_base(init)

@@ -7,7 +7,7 @@ import torch
 
 from ...errors import MudpuppyError
 from ..adapters.init import canonical_signs, mutates_base, rewrite_as_plain_lora
-from .frozen import FrozenLinear
+from .frozen import FrozenLinear, StoredLinear
 from .handle import unwrap
 
 # Where the starting (A0, B0) of a PiSSA / OLoRA adapter live: on the PEFT model itself, so they go
@@ -15,18 +15,30 @@ from .handle import unwrap
 INITIAL = "mudpuppy_lora_init"
 
 
-def check_mutable_bases(model, targets: list[str], init: str) -> None:
-    """PiSSA and OLoRA rewrite each target's weight; a layer keeping its weight outside a float parameter
-    (4-bit, compact or streamed: frozen.py) cannot take the residual."""
+def plain_targets(model, targets: list[str], init: str) -> None:
+    """PiSSA and OLoRA rewrite each target's weight, which must then be a float parameter: a target kept
+    compact (a 16-bit checkpoint computed in fp32: frozen.py) becomes a plain linear at its compute dtype;
+    one held 4-bit or streamed from host memory cannot take a residual, and is refused."""
     if not mutates_base(init):
         return
-    held = sorted({name for name, mod in model.named_modules()
-                   if name.rsplit(".", 1)[-1] in targets and isinstance(mod, FrozenLinear)})
+    held = []
+    for name, mod in list(model.named_modules()):
+        if name.rsplit(".", 1)[-1] not in targets or not isinstance(mod, FrozenLinear):
+            continue
+        if not isinstance(mod, StoredLinear) or mod.streamed or mod.tied:
+            held.append(name)
+            continue
+        plain = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                device=mod.compute_device, dtype=mod.weight_dtype)
+        plain.weight = torch.nn.Parameter(mod.materialize(mod.weight_dtype), requires_grad=False)
+        if mod.bias is not None:
+            plain.bias = torch.nn.Parameter(mod.bias.detach().to(mod.weight_dtype), requires_grad=False)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, plain)
     if held:
-        raise MudpuppyError(f"adapter.init {init}: {len(held)} target layers (e.g. {held[0]}) keep their weight "
-                            "outside a plain parameter (a bf16 checkpoint computed in fp32, offload or streaming); "
-                            "load the model with model.dtype float32 and no memory offload, or use adapter.init "
-                            "default")
+        raise MudpuppyError(f"adapter.init {init}: {len(held)} target layers (e.g. {held[0]}) are held 4-bit or "
+                            "streamed from host memory, and PiSSA / OLoRA replace each weight by a float "
+                            "residual; turn memory.stream_layers off, or use adapter.init default")
 
 
 def record_initial(model, init: str) -> None:
