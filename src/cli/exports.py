@@ -3,7 +3,7 @@
 
 `export`, `merge` and `eval` take what they read first, positionally, and write inside a run by default:
 <run>/export/<format>[-<quant>], <run>/merged and <run>/eval. Each default is an ordinary output under the
-contract (publish.py): a second write there stops unless --overwrite is given.
+contract (mudpuppy.output_dir): a second write there stops unless --overwrite is given.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What `mudpuppy eval` leaves behind: the terminal table, eval.json, eval.md and a bar chart per row.
 
-The files are written under the output contract (publish.py): built in a hidden folder beside the
+The files are written under the output contract (mudpuppy.output_dir): built in a hidden folder beside the
 output directory and renamed in once all are written; an earlier evaluation there (eval.json, eval.md
 and its charts, nothing else) is replaced only with --overwrite, after the new one is in place; other
 files in the directory stay. The charts need matplotlib (`pip install 'mudpuppy[plot]'`); without
@@ -14,8 +14,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import publish
 from ..files import write_json_atomic
+from ..output_dir import EVAL, writing
 from .metrics import Row
 
 EVAL_JSON = "eval.json"
@@ -32,9 +32,9 @@ def out_dir_for(out: str | None, columns) -> Path:
 
 
 def writing_report(out: Path, overwrite: bool, echo=None):
-    """The output contract's writing context for an evaluation in `out` (publish.writing): entered before
+    """The output contract's writing context for an evaluation in `out` (output_dir.writing): entered before
     any model loads, so a directory holding an earlier evaluation is refused at once without --overwrite."""
-    return publish.writing(out, publish.EVAL, overwrite, what="--out", echo=echo)
+    return writing(out, EVAL, overwrite, what="--out", echo=echo)
 
 
 def publish_report(report, out: Path, overwrite: bool = True, echo=print) -> list[str]:

@@ -96,7 +96,7 @@ def measure_trained(cfg, backend, trained=None, echo=print) -> dict[str, dict]:
                         sum(len(ds.records) for ds in datasets), metrics,
                         [row for m in metrics for row in METRICS[m].rows], results, backend.name,
                         getattr(backend, "device", ""), options)
-    publish_report(report, out / OUT_DIR, echo=lambda *_: None)    # beside, then renamed in (publish.py)
+    publish_report(report, out / OUT_DIR, echo=lambda *_: None)    # beside, then renamed in (output_dir/staging.py)
     values = {m.name: {k: v for k, v in m.values.items() if v is not None} for m in results}
     said = [f"{row.label} " + " -> ".join(f"{values[m.name][row.key]:.4f}" for m in results
                                           if row.key in values[m.name]) for row in report.rows]

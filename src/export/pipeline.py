@@ -5,7 +5,7 @@ architecture and tokenizer for GGUF, the chat layout for Ollama, llama-quantize 
 mlx-lm for MLX), so a mistake costs seconds, not a merge. Every format gets a model card (card.py:
 the base by its Hub id, where its weights came from, how to load the export).
 
-The export keeps the output contract (publish.py): --out is locked for the whole export, the export is
+The export keeps the output contract (mudpuppy.output_dir): --out is locked for the whole export, the export is
 built in a hidden folder beside it and renamed into place only once complete; with --overwrite only
 the earlier export's own files go, after the new one is in place (a file of yours in --out stays); a
 directory that is not a mudpuppy export is never written into.
@@ -13,15 +13,14 @@ directory that is not a mudpuppy export is never written into.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import publish
 from ..errors import MudpuppyError
 from ..evaluation.suite import check_chat_template
 from ..files import move_into
+from ..output_dir import EXPORT, write_record, writing
 from . import gguf as gguf_format
 from . import mlx as mlx_format
 from .card import CARD, export_card
@@ -30,7 +29,6 @@ from .source import ExportSource, resolve_source
 
 FORMATS = ("merged", "gguf", "ollama", "mlx")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-MARKER = "export.json"
 
 
 @dataclass
@@ -75,7 +73,7 @@ def check_options(fmt: str, dtype: str | None, quant: str | None) -> tuple[str |
 def export_model(req: ExportRequest, echo=print) -> ExportResult:
     dtype, quant = check_options(req.format, req.dtype, req.quant)
     check_chat_template(req.chat_template)
-    with publish.writing(req.out, publish.EXPORT, req.overwrite, what="--out", echo=echo) as out:
+    with writing(req.out, EXPORT, req.overwrite, what="--out", echo=echo) as out:
         src = resolve_source(req.source, req.base_model, req.chat_template, req.trust_remote_code)
         if req.chat_template and src.kind == "run":
             raise MudpuppyError("--chat-template: a run exports the chat template it trained with "
@@ -89,7 +87,7 @@ def export_model(req: ExportRequest, echo=print) -> ExportResult:
 
 
 def write_export(req: ExportRequest, src: ExportSource, tokenizer, layout, dtype, quant, out, echo) -> dict:
-    """The format's files, its card and export.json, in the staging folder `out.dir` (publish.Writing);
+    """The format's files, its card and export.json, in the staging folder `out.dir` (output_dir.Writing);
     returns the record."""
     started = time.monotonic()
     staging, work = out.dir, out.scratch()
@@ -98,9 +96,14 @@ def write_export(req: ExportRequest, src: ExportSource, tokenizer, layout, dtype
     record.update(source=req.source, source_kind=src.kind, described=src.describe(), format=req.format,
                   base=src.base, finetune=src.finetune, seconds=round(time.monotonic() - started, 1))
     # The card last: it states what the format wrote (mlx_lm.convert's own, front matter only, is replaced).
-    (staging / CARD).write_text(export_card(out.shown, req.format, src, record), encoding="utf-8")
-    (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    describe(staging, out.shown, req.format, src, record)
     return record
+
+
+def describe(staging: Path, out: Path, fmt: str, src: ExportSource, record: dict, verb: str = "export") -> None:
+    """The model card and export.json of an export or merge bound for `out`, written in its staging folder."""
+    (staging / CARD).write_text(export_card(out, fmt, src, record, verb=verb), encoding="utf-8")
+    write_record(staging, EXPORT, record)
 
 
 def preflight(src: ExportSource, fmt: str, quant: str | None, tokenizer) -> TurnLayout | None:

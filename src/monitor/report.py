@@ -2,7 +2,7 @@
 
 Both are written from what the run already wrote to its output directory
 (metrics.jsonl, config.yaml, the summary), by rank 0, just before
-run_summary.json (training/outputs.write_summary calls write_run_report).
+run_summary.json (training/results.write_summary calls write_run_report).
 A chart or card name that holds a file the run did not write (the user's
 README.md, put in the live run directory before the card was written: the
 run's marker does not list it) is never written over: the run's own goes
@@ -296,7 +296,7 @@ class Places:
         self.out, self.moved = out, []
 
     def __call__(self, name: str) -> str | None:
-        from ..training import rundir
+        from ..output_dir import rundir
 
         stem, _, ext = name.rpartition(".")
         for target in (name, f"{stem}.mudpuppy.{ext}"):

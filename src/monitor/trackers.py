@@ -18,7 +18,7 @@ that fails mid-run is dropped with one warning, and the run goes on.
 The trackers of a run are one callback of its training loop (callbacks.py):
 each line of the run's record goes to them as metrics.jsonl gets it. They
 stay open across the loops of one run (a method may run several) and close
-with the summary (close_trackers, called by training/outputs.write_summary).
+with the summary (close_trackers, called by training/results.write_summary).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "trackio": "trackio
 EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "trackio": "trackio", "wandb": "wandb"}
 
 # The open trackers of each run in this process, keyed by output directory: opened when the
-# run's first loop starts, closed with the summary by outputs.write_summary.
+# run's first loop starts, closed with the summary by results.write_summary.
 _OPEN: dict[str, "Trackers"] = {}
 
 

@@ -1,7 +1,7 @@
 """Training methods, each one recipe written against the backend protocol."""
 
 from .grpo import run_grpo
-from .rundir import end_run
+from ..output_dir.rundir import end_run
 from .preference import run_preference
 from .reward import run_reward
 from .sft import RunResult, run_sft

@@ -47,7 +47,8 @@ from ..configure import SCHEMA_CHECKS
 from ..errors import MudpuppyError, OutputExists
 from ..evaluation import trained
 from ..files import write_json_atomic
-from . import outputs, rundir
+from ..output_dir import rundir
+from ..output_dir.claim import check_overwrite_target
 
 STATE = "curriculum.json"
 REPORT = "curriculum.md"
@@ -197,7 +198,7 @@ def _run_stages(cur: Curriculum, out: Path, echo, backend_for, allow_changes: bo
         # After --overwrite a stage's earlier run is replaced (by the stage's own --overwrite, once its model
         # and data load), never skipped or resumed, even when the curriculum is run again after a crash.
         old = _replaced(stage.dir, state.get("replaced_before"))
-        done = stage.dir / outputs.SUMMARY
+        done = stage.dir / rundir.SUMMARY
         if done.is_file() and not old:
             echo(f"== {stage.label}: finished earlier, skipped")
             if trained.trained_metrics(stage.cfg) and not trained.is_measured(stage.dir):
@@ -255,13 +256,13 @@ def _describe(cfg: RunConfig) -> str:
 
 def _check_dir(cur: Curriculum, overwrite: bool) -> Path:
     """Refusals that need no lock (nothing is written): the directory is a file, is not a curriculum, or is
-    one --overwrite never replaces (rundir.check_overwrite_target, against every stage's files)."""
+    one --overwrite never replaces (output_dir.claim.check_overwrite_target, against every stage's files)."""
     out = cur.output_dir
     if out.exists() and not out.is_dir():
         raise OutputExists(f"output_dir {out} is a file, not a directory")
     if overwrite:
         for stage in cur.stages:
-            rundir.check_overwrite_target(out, stage.cfg, inside=[s.dir for s in cur.stages])
+            check_overwrite_target(out, stage.cfg, inside=[s.dir for s in cur.stages])
     if rundir.entries(out) and not (out / STATE).is_file():
         if overwrite:
             raise OutputExists(f"output_dir {out} is not empty and holds no {STATE}; refusing to clear it even "
@@ -307,7 +308,7 @@ def _read_state(out: Path) -> dict:
 
 def _row(stage: Stage, backend: str) -> dict:
     """One stage's line of the report: what it ran, where, and its held-out numbers before and after."""
-    summary = json.loads((stage.dir / outputs.SUMMARY).read_text(encoding="utf-8"))
+    summary = json.loads((stage.dir / rundir.SUMMARY).read_text(encoding="utf-8"))
     suite = trained.read_measured(stage.dir)       # eval.voice_fidelity: before and after the stage
     return {"stage": stage.index, "name": stage.name, "method": _describe(stage.cfg).split(",")[0],
             "backend": backend, "steps": summary.get("steps"), "final_loss": summary.get("final_loss"),

@@ -27,7 +27,8 @@ import time
 from ..data import load_data, prepare_sft_data
 from ..errors import DataError, MudpuppyError
 from ..evaluation import evaluate, loss_table
-from . import outputs
+from ..output_dir import start_output_dir
+from . import results
 from .loop import RunResult, staged_final
 
 
@@ -48,7 +49,7 @@ def run_gptq(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         raise DataError(loaded.train[0].name if loaded.train else "data.datasets", None,
                         "no training examples left to calibrate GPTQ on (the datasets are empty, or every "
                         "example was dropped); gptq calibrates on data.datasets")
-    out, _ = outputs.start_output_dir(cfg, overwrite, echo)    # model and data loaded: lock, replace, config
+    out, _ = start_output_dir(cfg, overwrite, echo)    # model and data loaded: lock, replace, config
     tokens = sum(len(e.input_ids) for e in calibration)
     echo(f"gptq: {gptq.description}; calibrating on {len(calibration)} of {len(data.train)} training examples "
          f"({tokens:,} tokens); {len(data.val)} held-out examples")
@@ -79,7 +80,7 @@ def run_gptq(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         if rtn is not None and original is not None and original.loss is not None:
             echo(loss_table([("original", original), ("round-to-nearest", rtn), ("GPTQ", result.after)]))
     result.seconds = time.perf_counter() - started
-    outputs.write_summary(out, _summary(cfg, result, rtn, own, len(data.train), len(data.val)))
+    results.write_summary(out, _summary(cfg, result, rtn, own, len(data.train), len(data.val)))
     return result
 
 

@@ -42,12 +42,12 @@ from ..data import load_data, prepare_data
 from ..distributed import current as current_ranks
 from ..evaluation import EvalResult
 from ..evaluation.heldout import stop_token_ids
+from ..monitor.metrics import METRICS
 from ..rewards import check_columns, load_reward_functions, parse_reward_specs
-from . import outputs
 from .agent import build_agent, environment_reward, load_agent, offer_tools, schemas
 from .grpo_loss import GrpoObjective
 from .loop import save_trained, train_loop
-from .outputs import RunResult
+from .results import RunResult
 from .reward_models import reward_model_function
 from .rollout import COMPLETIONS, RolloutBatcher, score_completions
 from .session import start_run
@@ -171,7 +171,7 @@ def truncate_completions(path: Path, step: int) -> None:
 
 def step_rewards(out: Path) -> list[float]:
     """The mean reward of each generation, from metrics.jsonl."""
-    path = out / outputs.METRICS
+    path = out / METRICS
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

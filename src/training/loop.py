@@ -35,8 +35,8 @@ from ..data import Batcher
 from ..distributed import current as current_ranks
 from ..errors import MudpuppyError, OutOfDeviceMemory
 from ..monitor.callbacks import Callback, Callbacks
-from . import checkpoints, outputs
-from .rundir import STAGING_FINAL, publish_staged, record
+from ..output_dir.rundir import STAGING_FINAL, publish_staged, record
+from . import checkpoints, results
 from .schedule import learning_rate
 
 
@@ -48,9 +48,9 @@ class Interrupted(MudpuppyError):
     exit_code = 130
 
 
-# Moved to outputs.py (what a run returns and writes); kept here for the recipes that import them from the loop
+# Moved to results.py (what a run returns and writes); kept here for the recipes that import them from the loop
 # (qat.py, gptq.py).
-RunResult, run_summary = outputs.RunResult, outputs.run_summary
+RunResult, run_summary = results.RunResult, results.run_summary
 
 
 @dataclass

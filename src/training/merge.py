@@ -4,23 +4,20 @@ The merged directory gets what `mudpuppy export --format merged` gives it beside
 card naming the base by its Hub id and where its weights came from, and export.json recording the base,
 so a later `mudpuppy export` of the merged model (to GGUF, say) still names the base it was trained on.
 
-It is written under the output contract (publish.py): built in a hidden folder beside --out and renamed
-into place once complete, so a failed or killed merge leaves the previous merged model whole; with
+It is written under the output contract (mudpuppy.output_dir): built in a hidden folder beside --out and
+renamed into place once complete, so a failed or killed merge leaves the previous merged model whole; with
 --overwrite only the earlier merge's (or export's) own files go, after the new one is in place; a folder
 that holds neither is never written into.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from .. import publish
 from ..errors import MudpuppyError
-from ..export.card import CARD, export_card
+from ..export.pipeline import describe
 from ..export.source import resolve_source
-
-MARKER = "export.json"
+from ..output_dir import EXPORT, rundir, writing
 
 
 def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None = None,
@@ -34,7 +31,7 @@ def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None 
             f"{adapter} holds no adapter (no adapter_config.json); merge needs a LoRA/DoRA run's output_dir "
             "or --adapter DIR (a full fine-tune is already a plain model)")
     out = Path(out_dir) if out_dir else Path(cfg.output_dir) / "merged"
-    with publish.writing(out, publish.EXPORT, overwrite, what="--out", echo=echo) as written:
+    with writing(out, EXPORT, overwrite, what="--out", echo=echo) as written:
         # A QLoRA adapter learned on the 4-bit base: load rebuilds exactly that base (quantizing is
         # deterministic and reads the checkpoint's own values); any other adapter merges into fp32 weights.
         qlora = cfg.adapter.type == "qlora"
@@ -53,8 +50,7 @@ def describe_merge(staging: Path, out: Path, adapter: Path, dtype: str) -> None:
     src = resolve_source(str(adapter))
     record = {"dtype": dtype, "source": str(adapter), "source_kind": src.kind, "described": src.describe(),
               "format": "merged", "base": src.base, "finetune": src.finetune}
-    (staging / CARD).write_text(export_card(out, "merged", src, record, verb="merge"), encoding="utf-8")
-    (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    describe(staging, out, "merged", src, record, verb="merge")
 
 
 def merge_at_end(cfg, backend, out: Path, echo, adapter: Path | None = None, what: str = "merged model") -> bool:
@@ -73,8 +69,6 @@ def merge_at_end(cfg, backend, out: Path, echo, adapter: Path | None = None, wha
     host = backend.host_backend()
     if host is not backend:
         echo(f"merging on the host ({host.device}): the trained model still holds {backend.device}")
-    from . import rundir
-
     rundir.record(out, ["merged"])        # the run's own output (its files listed in merged/'s own marker)
     merged = merge_run(cfg, host, str(adapter or out), str(out / "merged"), cfg.merge_dtype, overwrite=True,
                        echo=echo)

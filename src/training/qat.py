@@ -43,7 +43,8 @@ from ..data import Batcher, load_data, prepare_sft_data
 from ..errors import MudpuppyError
 from ..evaluation import EvalResult, evaluate
 from ..files import write_json_atomic
-from . import outputs, rundir
+from ..output_dir import rundir
+from . import results
 from .loop import Checkpoints, Interrupted, LoopState, RunResult, staged_final, train_loop
 from .merge import merge_at_end
 from .session import start_run
@@ -89,7 +90,7 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> 
         run.state, baseline = _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, run.state, steps,
                                              min(start_fq, steps), data, out, echo, held_out, callbacks)
     switching = FakeQuantSwitch(trainer, qat, handle, run.state, start_fq)
-    heard = [*outputs.run_callbacks(cfg, out, echo), *callbacks]      # no memory phases in QAT's summary
+    heard = [*results.run_callbacks(cfg, out, echo), *callbacks]      # no memory phases in QAT's summary
     stopped_early = train_loop(cfg, run.state, steps, switching, batcher, run.checkpoints(trainer, batcher), heard,
                                evaluate=held_out, echo=echo)
 
@@ -162,7 +163,7 @@ def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, bra
             try:
                 train_loop(quiet, state, steps, FakeQuantSwitch(trainer, qat, handle, state, 0, enabled=False),
                            PausingBatcher(batcher, state, branch_at), no_checkpoints,
-                           [*outputs.run_callbacks(quiet, out, echo), *callbacks], evaluate=held_out, echo=echo)
+                           [*results.run_callbacks(quiet, out, echo), *callbacks], evaluate=held_out, echo=echo)
             except _Pause:
                 pass
         point = out / BRANCH_POINT
@@ -172,7 +173,7 @@ def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, bra
         kept = copy.deepcopy(state.as_dict(batcher))     # phase two appends to the same loss lists
         echo(f"PTQ baseline: fine-tuning steps {state.step + 1}-{steps} without fake quantization")
         stopped = train_loop(quiet, state, steps, FakeQuantSwitch(trainer, qat, handle, state, 0, enabled=False),
-                             batcher, no_checkpoints, [*outputs.run_callbacks(quiet, out, echo), *callbacks],
+                             batcher, no_checkpoints, [*results.run_callbacks(quiet, out, echo), *callbacks],
                              evaluate=held_out, echo=echo)
     except Interrupted:
         raise Interrupted("interrupted during the PTQ baseline, before QAT's own steps; no checkpoint is written "

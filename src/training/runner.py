@@ -24,7 +24,7 @@ from ..data.pairs import Screening, drop_screened, fixed_item_batches, screen_re
 from ..errors import DataError
 from ..evaluation import EvalResult, evaluate_objective
 from .loop import save_trained, staged_final, train_loop
-from .outputs import RunResult
+from .results import RunResult
 from .session import start_run
 
 SHOWN = 5      # bad records listed in an error

@@ -36,11 +36,13 @@ from .. import files
 from ..distributed import current as current_ranks
 from ..errors import MudpuppyError
 from ..evaluation.result import EvalResult
-from ..monitor.memory import MemoryPhases
-from . import checkpoints, outputs, resume_changes
+from ..monitor.memory import MemoryPhases, with_memory
+from ..output_dir import Claim, claim_output_dir, take_output_dir
+from ..output_dir.rundir import CONFIG
+from . import checkpoints, results, resume_changes
 from .loop import Checkpoints, LoopState, checkpoint_writer, restore, resumed_step, total_steps_for
 from .merge import merge_at_end
-from .outputs import Claim, RunResult
+from .results import RunResult
 
 Measure = Callable[[], EvalResult]      # one held-out evaluation of the model as it is now
 
@@ -76,9 +78,9 @@ class Run:
         resumed run keeps the config.yaml it started with: what a resume changed is recorded as a change at
         its step (resume_changes.py), never as the config of the whole run."""
         started_with = self._config_copy() if self.resume_from is not None else None
-        out = outputs.take_output_dir(self.cfg, self.claim, self.echo)
+        out = take_output_dir(self.cfg, self.claim, self.echo)
         if started_with is not None and current_ranks().is_main:
-            path = out / outputs.CONFIG
+            path = out / CONFIG
             staged = path.with_name(path.name + ".tmp")
             staged.write_bytes(started_with)
             os.replace(staged, path)
@@ -86,7 +88,7 @@ class Run:
 
     def _config_copy(self) -> bytes | None:
         try:
-            return (self.out / outputs.CONFIG).read_bytes()
+            return (self.out / CONFIG).read_bytes()
         except OSError:
             return None
 
@@ -143,10 +145,10 @@ class Run:
                                                    resume_changes.HISTORY: self.changes})
 
     def callbacks(self) -> list:
-        """What the loop reports to: outputs.run_callbacks, the peak memory of each phase (run_summary.json's
+        """What the loop reports to: results.run_callbacks, the peak memory of each phase (run_summary.json's
         `memory`, monitor/memory.py), then the callbacks the caller of run() added."""
         self.memory = MemoryPhases(self.backend)
-        callbacks = outputs.run_callbacks(self.cfg, self.out, self.echo)
+        callbacks = results.run_callbacks(self.cfg, self.out, self.echo)
         return [*callbacks, *resume_changes.changes_line(callbacks, self.accepted), self.memory, *self.extra]
 
     def result(self, stopped_early: bool, trainer) -> RunResult:
@@ -179,9 +181,9 @@ class Run:
         if merge and merge_at_end(self.cfg, self.backend, self.out, self.echo) and self.memory is not None:
             self.memory.record("merge")
         result.seconds = time.perf_counter() - self.started
-        summary = outputs.run_summary(self.cfg, result, self.info, n_train, n_val,
+        summary = results.run_summary(self.cfg, result, self.info, n_train, n_val,
                                       **{resume_changes.HISTORY: self.changes, **extra})
-        outputs.write_summary(self.out, summary if self.memory is None else outputs.with_memory(summary, self.memory))
+        results.write_summary(self.out, summary if self.memory is None else with_memory(summary, self.memory))
         return result
 
 
@@ -190,7 +192,7 @@ def start_run(cfg, backend, overwrite: bool, echo, started: float, callbacks=(),
     resume changes (resume_changes.py: refused unless allowed), seed, load the model (with a scalar `head` for
     reward models): after the recipe's data checks, before its tokenization. `callbacks`: what the caller of
     run() added, heard by the loop after the run's own (Run.callbacks)."""
-    claim = outputs.claim_output_dir(cfg, overwrite)
+    claim = claim_output_dir(cfg, overwrite)
     record = resume_changes.trained_with(cfg)
     accepted = resume_changes.check_resume(cfg, record, claim.resume_from, echo) if claim.resume_from else []
     history = resume_changes.history_of(claim.resume_from) if claim.resume_from else []

@@ -22,7 +22,7 @@ from ..data import Batcher, load_data, prepare_sft_data
 from ..data.report import run_lines
 from ..evaluation import EvalResult, evaluate, heldout_loss
 from .loop import save_trained, train_loop
-from .outputs import RunResult
+from .results import RunResult
 from .session import start_run
 
 

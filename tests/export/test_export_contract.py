@@ -1,4 +1,4 @@
-"""The output contract (src/publish.py) for `export`, `eval --out` and `convert-adapter`, through the real
+"""The output contract (src/output_dir/) for `export`, `eval --out` and `convert-adapter`, through the real
 command line on the tiny model (issue 37, "Files lost"): a user's file in --out survives the export and
 its --overwrite, one export at a time per folder, and what a killed export left is removed by the next."""
 

@@ -1,4 +1,4 @@
-"""The output contract (src/publish.py) for `merge` and the run directory, through the real command line
+"""The output contract (src/output_dir/) for `merge` and the run directory, through the real command line
 on the tiny model (issue 37, "Files lost"): merge never clears a folder that is not its own, a failed or
 killed merge leaves the earlier merged model whole, a user's file survives --overwrite, and a run claims
 only what it wrote itself (never a file the user or another verb put in its directory)."""
@@ -10,7 +10,7 @@ import shutil
 
 import yaml
 
-from mudpuppy.training import rundir
+from mudpuppy.output_dir import rundir
 
 from ..contract_helpers import Held, cli, hidden, one_error, snapshot
 
@@ -123,7 +123,7 @@ def test_a_resumed_run_from_before_markers_claims_only_its_own_names(tiny_config
 def test_what_others_write_in_a_live_run_is_not_claimed(tiny_config, tiny_model_dir, tmp_path):
     cfg_path = write_cfg(tmp_path, tiny_config)
     run = tmp_path / "run"
-    held = Held(tmp_path / "held", "mudpuppy.training.outputs:write_summary", "before", "run", "-c", cfg_path)
+    held = Held(tmp_path / "held", "mudpuppy.training.results:write_summary", "before", "run", "-c", cfg_path)
     held.wait()                                       # the run is live: trained, its summary not yet written
     (run / "notes.md").write_text("mine\n")
     export = cli("export", tiny_model_dir, "--format", "gguf", "--out", run / "gguf")     # as docs/export.md shows

@@ -17,21 +17,21 @@ import yaml
 
 from mudpuppy import create_backend, load_config, run
 from mudpuppy.errors import OutputExists
-from mudpuppy.training import outputs, rundir
+from mudpuppy.output_dir import claim, rundir
 
 # A `mudpuppy run` that, once it has logged step GATE_STEP, waits until the file named by its first argument
 # exists: a run caught in the middle of training, as long as a test needs it.
 GATED = """
 import os, sys, time
 from pathlib import Path
-from mudpuppy.training import outputs
+from mudpuppy.monitor.metrics import MetricsLog
 gate, at = Path(sys.argv.pop(1)), int(os.environ.get("GATE_STEP", "1"))
-write = outputs.MetricsLog.write
+write = MetricsLog.write
 def gated(self, **fields):
     write(self, **fields)
     while fields.get("step") == at and "loss" in fields and not gate.exists():
         time.sleep(0.05)
-outputs.MetricsLog.write = gated
+MetricsLog.write = gated
 from mudpuppy.cli import main
 sys.argv[0] = "mudpuppy"
 main()
@@ -105,7 +105,7 @@ def test_overwrite_refuses_a_project_folder(tmp_path, extra):
         (project / name).write_text("{}\n")
     before = snapshot(project)
     with pytest.raises(OutputExists, match="rm -r" if extra else "does not look like a mudpuppy run") as err:
-        outputs.claim_dir(project, overwrite=True)
+        claim.claim_dir(project, overwrite=True)
     assert snapshot(project) == before and not (project / rundir.MARKER).exists()
     assert not (project / rundir.LOCK).exists()
     assert "\n" not in str(err.value)
@@ -121,12 +121,12 @@ def test_overwrite_refuses_cwd_home_root_and_their_ancestors(tmp_path, monkeypat
                         ("..", "a directory above the current one"), ("~", "a directory above the current one"),
                         ("/", "the filesystem root")]:
         with pytest.raises(OutputExists, match=why):
-            outputs.claim_dir(target, overwrite=True)
+            claim.claim_dir(target, overwrite=True)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(OutputExists, match="the home directory"):
-        outputs.claim_dir("~", overwrite=True)
+        claim.claim_dir("~", overwrite=True)
     with pytest.raises(OutputExists, match="a directory above the home directory"):
-        outputs.claim_dir(tmp_path / "home", overwrite=True)
+        claim.claim_dir(tmp_path / "home", overwrite=True)
 
 
 def test_output_dir_expands_the_home_directory(tiny_config, tmp_path, monkeypatch):
@@ -143,11 +143,11 @@ def test_overwrite_refuses_the_directory_holding_the_config_or_data(tiny_config,
     cfg = dict(tiny_config, output_dir=str(out))
     cfg["data"] = dict(tiny_config["data"], datasets=[{"path": str(data)}])
     with pytest.raises(OutputExists, match="data.datasets.0.path"):
-        outputs.claim_dir(out, True, cfg=load_config(cfg))
+        claim.claim_dir(out, True, cfg=load_config(cfg))
     # The config file's folder: `output_dir: .` beside the config, resolved from elsewhere.
     cfg_path = write_config(out, dict(tiny_config, output_dir=str(out)))
     with pytest.raises(OutputExists, match="the config file's folder"):
-        outputs.claim_dir(out, True, cfg=load_config(cfg_path))
+        claim.claim_dir(out, True, cfg=load_config(cfg_path))
     assert data.is_file() and cfg_path.is_file()
 
 
@@ -155,7 +155,7 @@ def test_a_new_run_never_writes_into_a_foreign_folder(tmp_path):
     project = tmp_path / "project"
     before = make_project(project)
     with pytest.raises(OutputExists, match="does not look like a mudpuppy run"):
-        outputs.claim_dir(project, overwrite=False)
+        claim.claim_dir(project, overwrite=False)
     assert snapshot(project) == before and not (project / rundir.LOCK).exists()
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 
-from mudpuppy.training import rundir
+from mudpuppy.output_dir import rundir
 
 from ..contract_helpers import Held, cli
 from .test_output_contract import write_cfg

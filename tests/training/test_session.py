@@ -12,7 +12,7 @@ import pytest
 
 from mudpuppy.evaluation import EvalResult
 from mudpuppy.training.loop import LoopState
-from mudpuppy.training.outputs import Claim
+from mudpuppy.output_dir import Claim
 from mudpuppy.training.session import Run
 
 OBJECTIVE = EvalResult(loss=0.6931, accuracy=0.5, accuracy_name="reward_accuracy", metrics={}, samples=8)

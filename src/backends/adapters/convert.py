@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ... import publish
+from ...output_dir import ADAPTER, writing
 from .base_record import local_base_record, read_base_record, record_base
 from .mlx_format import adapter_from_mlx, write_mlx
 from .neutral import CONFIG_FILE, MLX_WEIGHTS, PEFT_WEIGHTS, Adapter
@@ -60,8 +60,8 @@ def convert_adapter(src: str | Path, dst: str | Path, to: str) -> Path:
     out = Path(dst)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise AdapterError(f"{out} already exists and is not an empty directory; choose a new destination")
-    # The output contract (publish.py): written beside DST, renamed into place once complete, DST locked.
-    with publish.writing(out, publish.ADAPTER, what="DST") as staged:
+    # The output contract (mudpuppy.output_dir): written beside DST, renamed into place once complete, DST locked.
+    with writing(out, ADAPTER, what="DST") as staged:
         written = write_peft(adapter, staged.dir) if to == "peft" else write_mlx(adapter, staged.dir)
         record = read_base_record(src) or local_base_record(adapter.base_model)
         if record is not None:

@@ -9,37 +9,39 @@
                          (SIGKILL included), so a stale file never blocks anyone.
 
 A run directory is written as the run goes (checkpoints, metrics, then its final save), so unlike the
-other verbs' outputs (publish.py) it is not built beside and renamed; what it saves at the end is
+other verbs' outputs (staging.py) it is not built beside and renamed; what it saves at the end is
 (publish_staged). The run never lists its directory to learn what it wrote: a file the user puts there,
 or another verb's output (`export --out RUN/gguf`), is never claimed. A run from before markers is adopted
 only for the names of the run's own layout (LAYOUT). `--overwrite` removes only the names the marker lists
 (and the few every run writes), never the directory itself, never a directory without the marker: see
-outputs.claim_output_dir.
+claim.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .. import publish
+from ..distributed import current
 from ..errors import OutputExists
 from ..files import move_into, write_json_atomic
+from . import locks, records
 
+CONFIG = "config.yaml"                   # the run's config, as it ran
+SUMMARY = "run_summary.json"             # written last: its presence means the run finished
 MARKER = ".mudpuppy-run.json"
 LOCK = ".mudpuppy-run.lock"
 FORMAT = 1
 OWN = frozenset({MARKER, LOCK})          # never listed, never removed: they say whose directory it is
 # Names every run writes, the run's even when a killed run had no time to record them.
 STAGING_FINAL = ".saving-final"          # where the final save writes first (loop.staged_final)
-ALWAYS = frozenset({"config.yaml", "metrics.jsonl", "run_summary.json", "checkpoints", "completions.jsonl",
+ALWAYS = frozenset({CONFIG, "metrics.jsonl", SUMMARY, "checkpoints", "completions.jsonl",
                     "heldout-eval", STAGING_FINAL})
 # The run's layout: every top-level name a run of some method writes (its final save's model files aside,
-# publish.MODEL_FILES and ADAPTER_FILES). What a run from before markers is adopted for, and nothing else.
+# records.MODEL_FILES and ADAPTER_FILES). What a run from before markers is adopted for, and nothing else.
 LAYOUT = ALWAYS | {"README.md", "loss.png", "reward.png", "margins.png", "accuracy.png", "tensorboard", "mlruns",
                    "wandb", "merged", "trained", "adapter", "mlx", "ptq_baseline.json", "qat-branch-point"}
 
@@ -61,7 +63,7 @@ def write_marker(out: Path, written=(), foreign=()) -> dict:
     """A fresh marker: this process claims `out` (a new run, or the one replacing an old run)."""
     from .. import __version__
 
-    marker = {"format": FORMAT, "created_by": f"mudpuppy {__version__}", "command": publish.command(),
+    marker = {"format": FORMAT, "created_by": f"mudpuppy {__version__}", "command": locks.command(),
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "created_at": time.time(),
               "written": sorted(written), "foreign": sorted(foreign)}
     _store(out, marker)
@@ -73,8 +75,6 @@ def record(out: Path, names) -> None:
     """Add `names` (top-level entries the run is about to write) to the marker's `written`; a name the run
     now writes is no longer foreign. Cheap when they are listed already: no file is read. Rank 0 of a
     distributed run alone writes the marker."""
-    from ..distributed import current
-
     if not current().is_main:
         return
     key, names = _key(out), set(names)
@@ -116,9 +116,9 @@ def is_theirs(out: Path, name: str) -> bool:
 
 def adopt(out: Path) -> tuple[list[str], list[str]]:
     """(the run's names, everyone else's) in a directory written before markers: the run's layout only."""
-    patterns = (*LAYOUT, *publish.MODEL_FILES, *publish.ADAPTER_FILES)
+    patterns = (*LAYOUT, *records.MODEL_FILES, *records.ADAPTER_FILES)
     present = entries(out)
-    ours = [n for n in present if publish.matches(n, patterns)]
+    ours = [n for n in present if records.matches(n, patterns)]
     return ours, [n for n in present if n not in ours]
 
 
@@ -136,13 +136,10 @@ def remove_entries(out: Path, names: list[str]) -> list[str]:
     stayed = []
     for name in names:
         path = Path(out) / name
-        if path.is_dir() and not path.is_symlink() and publish.holds_output(path):
-            left = publish.remove_output(path)
-            stayed += [f"{name}/{n}" for n in left]
-        elif path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+        if path.is_dir() and not path.is_symlink() and records.holds_output(path):
+            stayed += [f"{name}/{n}" for n in records.remove_output(path)]
         else:
-            path.unlink(missing_ok=True)     # a link goes, never what it points to
+            records.remove_names(out, [name])
     _listed.pop(_key(out), None)
     return stayed
 
@@ -157,8 +154,7 @@ def entries(out: Path) -> list[str]:
 
 def looks_like_old_run(out: Path) -> bool:
     """A run written before markers existed: its config copy and its log or summary."""
-    return (out / "config.yaml").is_file() and ((out / "metrics.jsonl").is_file() or
-                                                 (out / "run_summary.json").is_file())
+    return (out / CONFIG).is_file() and ((out / "metrics.jsonl").is_file() or (out / SUMMARY).is_file())
 
 
 _listed: dict[str, set[str]] = {}        # directory -> the names its marker lists now (saves re-reading it)
@@ -166,64 +162,6 @@ _listed: dict[str, set[str]] = {}        # directory -> the names its marker lis
 
 def _store(out: Path, marker: dict) -> None:
     write_json_atomic(Path(out) / MARKER, marker)
-
-
-# --------------------------------------------------------------------------- what --overwrite refuses
-def check_overwrite_target(out: Path, cfg=None, inside=()) -> None:
-    """Refuse to replace a directory whose loss no marker could excuse: the cwd or one above it, the home
-    directory or one above it, and any directory holding a file the run reads (its config, data, reward
-    functions, the model or adapter it starts from), files under the folders `inside` aside (a
-    curriculum's stages, which start from each other and replace only themselves)."""
-    target = _real(out)
-    cwd, home = _real(Path.cwd()), _real(Path.home())
-    why = None
-    if target == Path(target.anchor):
-        why = "the filesystem root"
-    elif _within(cwd, target):
-        why = "the current directory" if cwd == target else f"a directory above the current one ({cwd})"
-    elif _within(home, target):
-        why = "the home directory" if home == target else f"a directory above the home directory ({home})"
-    elif cfg is not None:
-        skip = [_real(p) for p in inside]
-        used = next((f"{what}: {p}" for what, p in _files_in_use(cfg)
-                     if _within(_real(p), target) and not any(_within(_real(p), s) for s in skip)), None)
-        if used:
-            why = f"a directory holding what this run reads ({used})"
-    if why:
-        raise OutputExists(f"--overwrite: output_dir {out} is {why}; mudpuppy never replaces such a directory. "
-                           "Give the run a directory of its own (e.g. --set output_dir=outputs/my-run)")
-
-
-def _files_in_use(cfg) -> list[tuple[str, Path]]:
-    used = []
-    if getattr(cfg, "source_dir", None):
-        used.append(("the config file's folder", Path(cfg.source_dir)))
-    for section in ("datasets", "val_datasets"):
-        for i, spec in enumerate(getattr(cfg.data, section)):
-            used.append((f"data.{section}.{i}.path", cfg.resolve_path(spec.path)))
-    for i, spec in enumerate(_reward_specs(cfg)):
-        if spec.kind in ("file", "reward_model"):
-            used.append((f"grpo.reward_funcs.{i}", cfg.resolve_path(spec.target)))
-    used.append(("model.base_model", Path(os.path.expanduser(cfg.model.base_model))))
-    if cfg.adapter.init_from:
-        used.append(("adapter.init_from", cfg.resolve_path(cfg.adapter.init_from)))
-    return [(what, p) for what, p in used if p.exists()]
-
-
-def _reward_specs(cfg) -> list:
-    if getattr(cfg, "grpo", None) is None:
-        return []
-    from ..rewards import parse_reward_specs
-
-    return parse_reward_specs(cfg.grpo.reward_funcs, cfg.grpo.reward_weights)
-
-
-def _real(path: Path) -> Path:
-    return Path(os.path.realpath(os.path.expanduser(path)))
-
-
-def _within(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
 
 
 # --------------------------------------------------------------------------- the lock
@@ -238,7 +176,7 @@ def lock(out: Path) -> None:
     if key in _held:
         _held[key][1] += 1
         return
-    fd = publish.acquire_lock(Path(key) / LOCK, f"output_dir {out}", "output_dir", RunDirInUse)
+    fd = locks.acquire_lock(Path(key) / LOCK, f"output_dir {out}", "output_dir", RunDirInUse)
     _held[key] = [fd, 1]
 
 
@@ -248,7 +186,7 @@ def unlock(out: Path) -> None:
         return
     _held[key][1] -= 1
     if _held[key][1] <= 0:
-        publish.release_lock(_held.pop(key)[0])     # the file stays: it lives inside the run directory
+        locks.release_lock(_held.pop(key)[0])     # the file stays: it lives inside the run directory
 
 
 @contextmanager

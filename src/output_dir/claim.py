@@ -1,49 +1,26 @@
-"""The run's output directory: never overwrite a user's finished work by accident; what a run writes there.
+"""A run's folder: claimed before any model loads, taken once the model and data have loaded, and what
+`--overwrite` may never replace.
 
-A run claims its directory before any model loads (claim_output_dir: lock, then decide: new, resume,
-or replace) and takes it once the model and data have loaded (take_output_dir: the replaced run's
-files go, the config copy comes). The marker and the lock live in rundir.py. While it trains, the
-loop reports to `run_callbacks` (metrics.jsonl, the trackers, the progress display: monitor/); at
-the end every recipe returns a `RunResult` and writes `run_summary` with write_summary. The recipes call
-these through session.py (start_run, Run.finish).
+claim_output_dir locks the folder (rundir.py) and decides: a new run, a resume from its newest checkpoint,
+or a replacement; nothing is removed then. take_output_dir, once the model and data have loaded, removes
+the replaced run's files (only those its marker lists) and writes the config copy: a typo in the model
+name or a bad data file fails before and costs nothing. A folder that is neither empty, new nor marked
+is never written into, and `--overwrite` never replaces the current or home directory, one above them,
+or a folder holding what the run reads (check_overwrite_target).
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from ..distributed import current
 from ..errors import MudpuppyError, OutputExists
-from ..evaluation.result import EvalResult
-from ..files import write_json_atomic
-from ..monitor.metrics import METRICS, MetricsFile, MetricsLog
 from . import rundir
-
-SUMMARY = "run_summary.json"
-CONFIG = "config.yaml"
-
-__all__ = ["CONFIG", "METRICS", "SUMMARY", "Claim", "MetricsLog", "RunResult", "claim_output_dir", "claim_dir",
-           "run_callbacks", "run_summary", "start_output_dir", "take_output_dir", "write_config", "write_summary"]
-
-
-@dataclass
-class RunResult:
-    output_dir: Path
-    steps: int
-    losses: list[float] = field(default_factory=list)
-    lrs: list[float] = field(default_factory=list)
-    before: EvalResult | None = None      # held-out numbers before training (every method: evaluation/result.py)
-    after: EvalResult | None = None
-    seconds: float = 0.0
-    tokens_per_second: float = 0.0
-    skipped_steps: int = 0
-    stopped_early: bool = False
-    resumed_from: int | None = None
-    model: object = None          # the trained ModelHandle, for generation or further use in Python
+from .rundir import CONFIG, SUMMARY
 
 
 @dataclass
@@ -59,7 +36,6 @@ def claim_output_dir(cfg, overwrite: bool) -> Claim:
     """Lock the run's directory and decide what happens to it, before any model loads; nothing is removed
     here. In a distributed run rank 0 decides (and holds the lock) and every rank gets its answer, or its
     error, so no two processes clear or write the same directory."""
-    from ..distributed import current
     from ..monitor.trackers import check_available
 
     check_available(list(cfg.logging.report_to))          # a missing tracker stops the run before it starts
@@ -69,8 +45,6 @@ def claim_output_dir(cfg, overwrite: bool) -> Claim:
 def take_output_dir(cfg, claim: Claim, echo=print) -> Path:
     """Once the model and data have loaded: the run replaced by --overwrite goes (only what it wrote), then
     the config copy. A typo in the model name, a bad data file, fail before this and cost nothing."""
-    from ..distributed import current
-
     current().on_main(lambda: _take(cfg, claim, echo))
     return claim.out
 
@@ -93,7 +67,7 @@ def claim_dir(path: str | Path, overwrite: bool, resume: bool | str = False, cfg
     if out.exists() and not out.is_dir():
         raise OutputExists(f"output_dir {out} is a file, not a directory")
     if overwrite:
-        rundir.check_overwrite_target(out, cfg)
+        check_overwrite_target(out, cfg)
     _refuse_foreign(out, overwrite)
     if resume is True and not overwrite and not out.is_dir():
         raise OutputExists(f"--resume: no complete checkpoint in {out}/checkpoints ({out} does not exist)")
@@ -130,7 +104,7 @@ def _refuse_foreign(out: Path, overwrite: bool) -> None:
 
 
 def _decide(out: Path, overwrite: bool, resume: bool | str) -> Claim:
-    from .checkpoints import newest_checkpoint, remove_stale_staging
+    from ..training.checkpoints import newest_checkpoint, remove_stale_staging
 
     finished = (out / SUMMARY).exists()
     if resume and not overwrite:
@@ -176,86 +150,66 @@ def _names(names: list[str], shown: int = 8) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def write_summary(out: Path, data) -> None:
-    """The charts and model card (monitor/report.py), then run_summary.json, the last thing a run writes; by
-    rank 0 of a distributed run. A chart or card that fails to write costs the run nothing but that file."""
-    from ..distributed import current
-    from ..monitor.report import write_run_report
-    from ..monitor.trackers import close_trackers
-
-    if current().is_main:
-        try:
-            rundir.record(out, write_run_report(out, data))
-        except Exception as exc:      # noqa: BLE001 - the trained weights are saved; never fail the run here
-            print(f"run report (charts, README.md) not written: {type(exc).__name__}: {exc}", file=sys.stderr)
-        close_trackers(out, data)
-        rundir.record(out, [SUMMARY])
-        write_json_atomic(out / SUMMARY, data)
-        rundir.end_run(out)             # the run has written its last file: another may use the directory
-
-
-def run_summary(cfg, result: RunResult, info, n_train: int, n_val: int, **extra) -> dict:
-    """What run_summary.json holds for every method; a recipe adds its own fields via `extra`. `base` is the
-    exact base as this run resolved it (backends.provenance.base_record): how mudpuppy finds it again, the Hub
-    id the adapter's config names, and where the weights truly came from."""
-    from ..backends.provenance import base_record
-
-    return {
-        "status": "finished",
-        "method": cfg.method,
-        "adapter": info.kind,
-        "base_model": cfg.model.base_model,
-        "base": base_record(cfg.model.base_model, cfg.model.revision),
-        "steps": result.steps,
-        "first_loss": result.losses[0] if result.losses else None,
-        "final_loss": result.losses[-1] if result.losses else None,
-        "skipped_steps": result.skipped_steps,
-        "stopped_early": result.stopped_early,
-        "resumed_from_step": result.resumed_from,
-        "trainable_params": info.trainable_params,
-        "train_examples": n_train,
-        "val_examples": n_val,
-        **extra,
-        "tokens_per_second": round(result.tokens_per_second, 1),
-        "seconds": round(result.seconds, 1),
-        "eval_before": result.before.as_dict() if result.before is not None else None,
-        "eval_after": result.after.as_dict() if result.after is not None else None,
-    }
-
-
-def with_memory(summary: dict, memory) -> dict:
-    """The summary with the run's peak device memory per phase (monitor/memory.py), where the backend has it."""
-    if memory.phases:
-        summary["memory"] = memory.phases
-    return summary
-
-
-def run_callbacks(cfg, out: Path, echo) -> list:
-    """What a training loop reports to unless its recipe says otherwise: metrics.jsonl, the trackers of
-    logging.report_to (started with the run's first loop, open until write_summary) and the progress display,
-    the --tui dashboard when one draws for `echo`; rank 0 alone, the other ranks of a distributed run report
-    nothing."""
-    from ..distributed import current
-    from ..monitor.live import progress_display
-    from ..monitor.trackers import open_trackers
-
-    if not current().is_main:
-        return []
-    rundir.record(out, tracker_dirs(cfg.logging.report_to))
-    trackers = open_trackers(cfg, out)
-    return [MetricsFile(out, written=lambda where: rundir.record(where, [METRICS])),
-            *([trackers] if trackers is not None else []),
-            progress_display(cfg.logging, echo)]
-
-
-def tracker_dirs(report_to) -> list[str]:
-    """The folders the trackers of `logging.report_to` write in output_dir (monitor/trackers.py)."""
-    dirs = {"tensorboard": "tensorboard", "wandb": "wandb"}
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
-        dirs["mlflow"] = "mlruns"
-    return [dirs[kind] for kind in report_to or [] if kind in dirs]
-
-
 def write_config(out: Path, cfg) -> None:
     rundir.record(out, [CONFIG])
     (out / CONFIG).write_text(yaml.safe_dump(cfg.dump(), sort_keys=False), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- what --overwrite refuses
+def check_overwrite_target(out: Path, cfg=None, inside=()) -> None:
+    """Refuse to replace a directory whose loss no marker could excuse: the cwd or one above it, the home
+    directory or one above it, and any directory holding a file the run reads (its config, data, reward
+    functions, the model or adapter it starts from), files under the folders `inside` aside (a
+    curriculum's stages, which start from each other and replace only themselves)."""
+    target = _real(out)
+    cwd, home = _real(Path.cwd()), _real(Path.home())
+    why = None
+    if target == Path(target.anchor):
+        why = "the filesystem root"
+    elif _within(cwd, target):
+        why = "the current directory" if cwd == target else f"a directory above the current one ({cwd})"
+    elif _within(home, target):
+        why = "the home directory" if home == target else f"a directory above the home directory ({home})"
+    elif cfg is not None:
+        skip = [_real(p) for p in inside]
+        used = next((f"{what}: {p}" for what, p in _files_in_use(cfg)
+                     if _within(_real(p), target) and not any(_within(_real(p), s) for s in skip)), None)
+        if used:
+            why = f"a directory holding what this run reads ({used})"
+    if why:
+        raise OutputExists(f"--overwrite: output_dir {out} is {why}; mudpuppy never replaces such a directory. "
+                           "Give the run a directory of its own (e.g. --set output_dir=outputs/my-run)")
+
+
+def _files_in_use(cfg) -> list[tuple[str, Path]]:
+    used = []
+    if getattr(cfg, "source_dir", None):
+        used.append(("the config file's folder", Path(cfg.source_dir)))
+    for section in ("datasets", "val_datasets"):
+        for i, spec in enumerate(getattr(cfg.data, section)):
+            used.append((f"data.{section}.{i}.path", cfg.resolve_path(spec.path)))
+    for i, spec in enumerate(_reward_specs(cfg)):
+        if spec.kind in ("file", "reward_model"):
+            used.append((f"grpo.reward_funcs.{i}", cfg.resolve_path(spec.target)))
+    used.append(("model.base_model", Path(os.path.expanduser(cfg.model.base_model))))
+    if cfg.adapter.init_from:
+        used.append(("adapter.init_from", cfg.resolve_path(cfg.adapter.init_from)))
+    return [(what, p) for what, p in used if p.exists()]
+
+
+def _reward_specs(cfg) -> list:
+    if getattr(cfg, "grpo", None) is None:
+        return []
+    from ..rewards import parse_reward_specs
+
+    return parse_reward_specs(cfg.grpo.reward_funcs, cfg.grpo.reward_weights)
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(os.path.expanduser(path)))
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
