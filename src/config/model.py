@@ -89,3 +89,13 @@ class AdapterConfig(_Strict):
         if isinstance(v, list) and not v:
             raise ValueError("give at least one module name, or 'all-linear'")
         return v
+
+
+def residual_reference_problem(adapter: AdapterConfig, key: str, fix: str) -> str | None:
+    """A reference model taken as the base with the adapter switched off is, after PiSSA or OLoRA, the
+    residual: not the model the run started from. `key` and `fix` say what to change instead."""
+    if adapter.init in ("default", "gaussian"):
+        return None
+    return (f"{key}: the reference is the base with the adapter off, which after adapter.init {adapter.init} "
+            f"is only the residual of each weight; {fix}")
+

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from .base import _Strict
 from .data import DataConfig
 from .methods import GptqConfig, GrpoConfig, PreferenceConfig, QatConfig, RewardConfig, grpo_batch_problems
-from .model import AdapterConfig, ModelConfig
+from .model import AdapterConfig, ModelConfig, residual_reference_problem
 from .training import DistributedConfig, EvalConfig, LoggingConfig, MemoryConfig, TrainingConfig
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "rocm", "mlx")
@@ -91,6 +91,12 @@ class RunConfig(_Strict):
             # fine-tuning has no such switch, and a frozen copy would double the model's memory.
             problems.append(f"preference.precompute_ref: {pref.type} needs reference log-probs; with adapter.type none set "
                             "preference.precompute_ref: true (computed once from the untrained weights)")
+        if pref is not None and pref.needs_reference and (ref := residual_reference_problem(
+                self.adapter, f"preference.type {pref.type}", "use simpo or orpo (no reference), or adapter.init default")):
+            problems.append(ref)
+        if self.method == "grpo" and self.grpo is not None and self.grpo.beta > 0 and (ref := residual_reference_problem(
+                self.adapter, "grpo.beta", "set grpo.beta: 0 or adapter.init default")):
+            problems.append(ref)
         if self.training.precision == "fp8" and (fp8 := fp8_problem(self.adapter.type, self.memory.stream_layers)):
             problems.append(fp8)
         if self.memory.stream_layers and self.adapter.type == "none":

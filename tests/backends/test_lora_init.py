@@ -171,3 +171,16 @@ def test_pissa_on_a_bf16_checkpoint_kept_compact_starts_from_its_function(tiny_m
     q = handle.model.base_model.model.model.layers[0].self_attn.q_proj
     assert q.base_layer.weight.dtype == torch.float32 and not q.base_layer.weight.requires_grad
     np.testing.assert_allclose(backend.logits(handle, batch), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("method,section,key", [("preference", {"preference": {"type": "dpo"}}, "preference"),
+                                                ("grpo", {"grpo": {"reward_funcs": ["exact_match"], "beta": 0.04}},
+                                                 "grpo.beta")])
+def test_pissa_is_refused_where_the_reference_is_the_base_with_the_adapter_off(tiny_config, method, section, key):
+    """With the adapter off, a PiSSA model is the residual, not the base: no reference can be taken so."""
+    tiny_config.update(method=method, adapter={**tiny_config["adapter"], "init": "pissa"}, **section)
+    with pytest.raises(Exception, match=f"{key}.*residual"):
+        load_config(tiny_config)
+    tiny_config["adapter"]["init"] = "gaussian"
+    if method == "preference":
+        load_config(tiny_config)
