@@ -184,3 +184,44 @@ def test_pissa_is_refused_where_the_reference_is_the_base_with_the_adapter_off(t
     tiny_config["adapter"]["init"] = "gaussian"
     if method == "preference":
         load_config(tiny_config)
+
+
+def test_cli_pissa_run_merges_and_resumes_exactly(tiny_config, tmp_path):
+    """The real CLI: a PiSSA run's merged model is the base plus its saved plain LoRA, and a run resumed
+    from its step-3 checkpoint (which attaches PiSSA again, then loads the trained factors) ends on the same
+    adapter, bit for bit."""
+    import shutil
+
+    import yaml
+    from click.testing import CliRunner
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from mudpuppy.cli import main
+
+    tiny_config["adapter"]["init"] = "pissa"
+    tiny_config["merge"] = True
+    tiny_config["training"]["save_steps"] = 3
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(tiny_config))
+    res = CliRunner().invoke(main, ["run", "--config", str(tmp_path / "cfg.yaml")])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "run"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir_of(tiny_config), dtype=torch.float32)
+    expected = PeftModel.from_pretrained(base, str(out)).merge_and_unload().state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32).state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        torch.testing.assert_close(merged[name], expected[name].to(torch.bfloat16).float(), rtol=0, atol=0)
+
+    again = tmp_path / "again"
+    shutil.copytree(out / "checkpoints", again / "checkpoints")
+    shutil.copy(out / ".mudpuppy-run.json", again / ".mudpuppy-run.json")
+    shutil.rmtree(again / "checkpoints" / "step-00000006")
+    tiny_config.update(output_dir=str(again), merge=False)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(tiny_config))
+    res = CliRunner().invoke(main, ["run", "--config", str(tmp_path / "cfg.yaml"), "--resume"])
+    assert res.exit_code == 0 and "resumed from" in res.output, res.output
+    first, second = load_file(str(out / "adapter_model.safetensors")), load_file(str(again / "adapter_model.safetensors"))
+    assert set(first) == set(second)
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key])
