@@ -20,8 +20,8 @@ one torch thread) trains on the store the preprocess side wrote (its cache
 entry, reused: the run maps it): its peak RSS and median step time (from
 metrics.jsonl's `elapsed`, the first step left out) at each size, which must
 not grow with the data. `--datasets-one-process-max N` skips the `datasets`
-one-process side above N examples (about 20 minutes at 1M on 2 cores); the
-table says which were skipped. Ratios: mudpuppy's examples/s over `datasets`
+one-process side above N examples (the slowest side at 1M); the output says
+which were skipped. Ratios: mudpuppy's examples/s over `datasets`
 num_proc's, and each size's peak RSS and step time over the smallest size's.
 
 With `--runs N` every side runs N times at each size (fresh caches each time)
@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="runs of every side at every size (the summary "
                         "gives the median and the spread)")
     parser.add_argument("--datasets-one-process-max", type=int, default=None, metavar="N",
-                        help="skip the datasets one-process side above N examples (it takes ~20 min at 1M)")
+                        help="skip the datasets one-process side above N examples (the slowest side at 1M)")
     parser.add_argument("--no-train", action="store_true", help="skip the 5-step LoRA run at each size")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
