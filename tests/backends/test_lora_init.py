@@ -225,3 +225,25 @@ def test_cli_pissa_run_merges_and_resumes_exactly(tiny_config, tmp_path):
     assert set(first) == set(second)
     for key in first:
         np.testing.assert_array_equal(first[key], second[key])
+
+
+def test_pissa_on_fused_experts_is_refused_and_attention_only_keeps_the_function(tmp_path):
+    from mudpuppy.errors import MudpuppyError
+
+    from ..conftest import build_tokenizer
+    from .test_moe import FAMILIES, build
+
+    family = next(iter(FAMILIES))
+    build(family).save_pretrained(tmp_path / "moe")
+    build_tokenizer(tmp_path / "moe")
+    backend = create_backend("cpu")
+    cfg = AdapterConfig(type="lora", r=4, alpha=8, init="olora")
+    handle = backend.load_model(ModelConfig(base_model=str(tmp_path / "moe")), "fp32", adapter=cfg)
+    with pytest.raises(MudpuppyError, match=r"adapter.init olora: .*fused tensors .*experts"):
+        backend.attach_adapter(handle, cfg)
+    cfg = AdapterConfig(type="lora", r=4, alpha=8, init="olora", target_modules=["q_proj", "o_proj"])
+    plain = backend.load_model(ModelConfig(base_model=str(tmp_path / "moe")), "fp32", adapter=cfg)
+    handle = backend.load_model(ModelConfig(base_model=str(tmp_path / "moe")), "fp32", adapter=cfg)
+    backend.attach_adapter(handle, cfg)
+    batch = random_batch(len(handle.tokenizer))
+    np.testing.assert_allclose(backend.logits(handle, batch), backend.logits(plain, batch), atol=1e-5)

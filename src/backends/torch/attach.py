@@ -58,8 +58,11 @@ def attach_adapter(backend, handle: TorchModel, adapter_cfg) -> AdapterInfo:
                 f"adapter: this model's experts are fused tensors ({', '.join(parameters)}), which PEFT adapts "
                 f"without {'DoRA' if adapter_cfg.type == 'dora' else 'dropout'}; use adapter.type lora (or qlora) "
                 "with adapter.dropout: 0, or list target_modules without the experts")
-        task = HEADS[handle.head][2] if handle.head else "CAUSAL_LM"
         init = getattr(adapter_cfg, "init", "default")
+        if parameters and mutates_base(init):
+            raise MudpuppyError(f"adapter.init {init}: this model's experts are fused tensors ({', '.join(parameters)}), "
+                                "which PEFT's PiSSA / OLoRA do not factor; list target_modules without the experts")
+        task = HEADS[handle.head][2] if handle.head else "CAUSAL_LM"
         routers = layout.router_names() if getattr(adapter_cfg, "train_router", False) else []
         config = LoraConfig(
             r=adapter_cfg.r, lora_alpha=adapter_cfg.alpha, lora_dropout=adapter_cfg.dropout,

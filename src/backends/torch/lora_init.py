@@ -3,6 +3,8 @@ saved adapter is a plain LoRA on the original base (adapters/init.py says why an
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ...errors import MudpuppyError
@@ -15,7 +17,7 @@ from .handle import unwrap
 INITIAL = "mudpuppy_lora_init"
 
 
-def plain_targets(model, targets: list[str], init: str) -> None:
+def plain_targets(model, targets: list[str] | str, init: str) -> None:
     """PiSSA and OLoRA rewrite each target's weight, which must then be a float parameter: a target kept
     compact (a 16-bit checkpoint computed in fp32: frozen.py) becomes a plain linear at its compute dtype;
     one held 4-bit or streamed from host memory cannot take a residual, and is refused."""
@@ -23,7 +25,9 @@ def plain_targets(model, targets: list[str], init: str) -> None:
         return
     held = []
     for name, mod in list(model.named_modules()):
-        if name.rsplit(".", 1)[-1] not in targets or not isinstance(mod, FrozenLinear):
+        # PEFT's target_modules: leaf names, or one pattern over the full name (vision models: vision.py).
+        targeted = re.fullmatch(targets, name) if isinstance(targets, str) else name.rsplit(".", 1)[-1] in targets
+        if not targeted or not isinstance(mod, FrozenLinear):
             continue
         if not isinstance(mod, StoredLinear) or mod.streamed or mod.tied:
             held.append(name)
