@@ -47,8 +47,9 @@ def test_mlx_starts_from_torch_s_factors_and_residual(tiny_model_dir, torch_back
     np.testing.assert_allclose(mlx_backend.logits(mh, batch), mlx_backend.logits(untouched, batch), atol=1e-5)
 
 
-@pytest.mark.parametrize("init", ["pissa", "olora"])
-def test_trained_mlx_adapter_reloads_in_plain_peft_on_the_original_base(tiny_model_dir, mlx_backend, tmp_path, init):
+@pytest.mark.parametrize("init,rslora", [("pissa", False), ("olora", False), ("pissa", True)])
+def test_trained_mlx_adapter_reloads_in_plain_peft_on_the_original_base(tiny_model_dir, mlx_backend, tmp_path, init,
+                                                                          rslora):
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -56,7 +57,7 @@ def test_trained_mlx_adapter_reloads_in_plain_peft_on_the_original_base(tiny_mod
     from mudpuppy.backends.mlx.layers import adapter_layers
 
     mh = mlx_backend.load_model(model_cfg(tiny_model_dir), "fp32")
-    mlx_backend.attach_adapter(mh, AdapterConfig(type="lora", r=4, alpha=8, init=init))
+    mlx_backend.attach_adapter(mh, AdapterConfig(type="lora", r=4, alpha=8, init=init, rslora=rslora))
     rng = np.random.default_rng(0)
     for layer in adapter_layers(mh.model).values():   # a stand-in for training: both factors move
         layer.lora_a = layer.lora_a + mx.array(rng.normal(0, 0.05, layer.lora_a.shape).astype(np.float32))
@@ -71,7 +72,7 @@ def test_trained_mlx_adapter_reloads_in_plain_peft_on_the_original_base(tiny_mod
         plain = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
         theirs = plain(input_ids=torch.as_tensor(batch.input_ids),
                        attention_mask=torch.as_tensor(batch.attention_mask)).logits.numpy()
-    assert plain.peft_config["default"].r == 8
+    assert plain.peft_config["default"].r == 8 and plain.peft_config["default"].use_rslora == rslora
     assert np.abs(theirs - before).max() > 1e-2, "the adapter moved the model"
     np.testing.assert_allclose(theirs, ours, atol=1e-4)
     # mlx-lm's copy beside it loads on the original base too, through mudpuppy's MLX reader.
