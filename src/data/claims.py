@@ -42,7 +42,10 @@ class Claim:
         fd, making = tempfile.mkstemp(prefix=".claiming-", dir=parent)
         self._fd = fd
         if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:     # a file system without locks (some NFS): no sweep can take it either
+                pass
         self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         self.lock = self.folder.with_name(self.folder.name + ".lock")
         os.replace(making, self.lock)

@@ -110,3 +110,15 @@ def test_a_released_claim_leaves_nothing(tmp_path):
     (claim.folder / "tokens.bin").write_bytes(b"1234")
     claims.release(claim.folder)
     assert leftovers(tmp_path) == []
+
+
+def test_a_file_system_without_locks_still_writes_and_never_sweeps(tmp_path, monkeypatch):
+    def refuse(fd, op):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(claims.fcntl, "flock", refuse)
+    claim = claims.Claim(tmp_path, "store-")
+    (claim.folder / "tokens.bin").write_bytes(b"1234")
+    assert claims.sweep(tmp_path, r"store-.*") == [] and claim.folder.is_dir()
+    claim.release()
+    assert leftovers(tmp_path) == []
