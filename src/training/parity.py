@@ -217,8 +217,10 @@ def start_from_same_weights(cfg, sides: list[Side], work: Path, echo) -> Path:
         first.backend.save_adapter(first.handle, str(init))
     echo(f"adapter: {info.describe()}" + ("" if cfg.adapter.type == "none" else f"; initialised on {first.name}"))
     second.handle = load(cfg, second)
-    same_start = cfg.adapter if cfg.adapter.type == "none" else cfg.adapter.model_copy(
-        update={"init_from": str(init)})
+    # PiSSA and OLoRA start from the base's own factors, the same on every runtime; their saved adapter is
+    # already the rank-2r plain LoRA an export reads, which init_from could not take as the starting point.
+    derived = cfg.adapter.type == "none" or cfg.adapter.init in ("pissa", "olora")
+    same_start = cfg.adapter if derived else cfg.adapter.model_copy(update={"init_from": str(init)})
     attach(cfg, second, same_start)
     return init
 

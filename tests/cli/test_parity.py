@@ -108,7 +108,11 @@ def test_dpo_agrees(tiny_config, tmp_path):
 
 @pytest.mark.mlx
 @pytest.mark.parametrize("adapter", [{"type": "dora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj"]},
-                                     {"type": "none"}], ids=["dora", "full"])
+                                     {"type": "lora", "r": 4, "alpha": 8, "init": "pissa",
+                                      "target_modules": ["q_proj", "down_proj"]},
+                                     {"type": "lora", "r": 4, "alpha": 8, "init": "olora",
+                                      "target_modules": ["q_proj", "down_proj"]},
+                                     {"type": "none"}], ids=["dora", "pissa", "olora", "full"])
 def test_dora_and_full_fine_tuning_agree(tiny_config, tmp_path, adapter):
     pytest.importorskip("mlx.core")
     tiny_config["adapter"] = adapter
