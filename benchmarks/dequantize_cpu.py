@@ -52,9 +52,9 @@ def main() -> None:
 
     import torch
 
-    from mudpuppy.backends.torch import quantize
+    from mudpuppy.backends.torch.quantization import linear4bit as quantize
     from mudpuppy.backends.torch.memory import return_freed_host_memory
-    from mudpuppy.backends.torch.quant_formats import dequantize_weight, quantize_weight
+    from mudpuppy.backends.torch.quantization.formats import dequantize_weight, quantize_weight
 
     return_freed_host_memory()
     dtype = torch.bfloat16

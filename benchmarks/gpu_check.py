@@ -406,8 +406,8 @@ def counts_added(before: dict, after: dict) -> dict:
 def check_dequantize(args, backend) -> dict:
     import torch
 
-    quantize = import_first("mudpuppy.backends.torch.quantize", "mudpuppy.backends.torch.quant.quantize")
-    formats = import_first("mudpuppy.backends.torch.quant_formats", "mudpuppy.backends.torch.quant.quant_formats")
+    quantize = import_first("mudpuppy.backends.torch.quantization.linear4bit", "mudpuppy.backends.torch.quant.quantize")
+    formats = import_first("mudpuppy.backends.torch.quantization.formats", "mudpuppy.backends.torch.quant.quant_formats")
     device = backend.plan.device
     shapes = dequantize_shapes(args.quick, device.type == "cpu")
     before, rows = dynamo_counts(), []

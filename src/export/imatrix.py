@@ -11,7 +11,7 @@ input column over some text, which the K-quant search (kquants.py) uses as `quan
                                           mean * ncall; optional int32 chunk count and dataset name;
                                           weights = values / ncall
     write_imatrix(path, ...)  the GGUF form, from sums and counts (tools/imatrix/imatrix.cpp save_imatrix)
-    gguf_entries(...)         sums collected per Hugging Face linear module (backends/torch/imatrix.py)
+    gguf_entries(...)         sums collected per Hugging Face linear module (backends/torch/quantization/imatrix.py)
                               renamed to the GGUF tensors they feed, through gguf's TensorNameMap
 
 Nothing here runs a model: collecting is the backend's job.
@@ -147,7 +147,7 @@ def write_imatrix(path: Path, stats: dict[str, Stats], datasets: list[str], chun
 def gguf_entries(sums: dict[str, tuple[np.ndarray, int]], arch: str, n_layer: int,
                  head_is_token_embd: bool) -> dict[str, Stats]:
     """What a backend collected (Hugging Face module name -> (sum of x^2 per input column, rows seen),
-    backends/torch/imatrix.py) under the GGUF names of the weights those inputs multiply:
+    backends/torch/quantization/imatrix.py) under the GGUF names of the weights those inputs multiply:
     `model.layers.0.mlp.down_proj` -> `blk.0.ffn_down.weight`, through gguf's TensorNameMap for `arch`
     (a gguf.MODEL_ARCH member name, as export/gguf_families rows hold it). When the file has no
     output.weight (`head_is_token_embd`: a tied head), llama.cpp multiplies by token_embd and

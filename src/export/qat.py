@@ -1,4 +1,4 @@
-"""Reading a converted QAT model (`quant_method: mudpuppy_qat`, backends/torch/qat_io.py's layout) back
+"""Reading a converted QAT model (`quant_method: mudpuppy_qat`, backends/torch/quantization/qat/files.py's layout) back
 to plain float32 weights, in numpy.
 
 Per quantized linear layer NAME (symmetric groups, no zero points):

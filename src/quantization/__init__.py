@@ -2,8 +2,8 @@
 
     from mudpuppy.quantization import quantize_per_tensor, dequantize, qgemm, fbgemm, flash_attention
 
-The torch code lives under backends/torch/ (kernels.py, quantized_linear.py, qat_layers.py,
-qat_io.py, gptq_*.py), where DESIGN.md puts every runtime import; this package re-exports it.
+The torch code lives under backends/torch/quantization/ (kernels.py, quantized_linear.py, qat/, gptq/),
+where DESIGN.md puts every runtime import; this package re-exports it.
 Names resolve on first use, so importing this package imports no torch until a kernel is needed.
 The kernels and their numerics: docs/qat.md; quantization-aware training: `mudpuppy.quantization.qat`;
 GPTQ: `mudpuppy.quantization.gptq` and `.gptq_format`. The recipes are training/qat.py and

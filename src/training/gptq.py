@@ -1,12 +1,12 @@
 """`method: gptq`: post-training quantization calibrated on the config's data. No optimizer, no steps.
 
 One recipe for every backend; what GPTQ is on each comes from `backend.plan_gptq` (protocol.GptqPlan).
-The torch backends (cpu, cuda, rocm) run mudpuppy's own GPTQ (backends/torch/gptq.py): 2, 3, 4 and 8
+The torch backends (cpu, cuda, rocm) run mudpuppy's own GPTQ (backends/torch/quantization/gptq/method.py): 2, 3, 4 and 8
 bits; groups of any power of two or one per row; symmetric or asymmetric grids; act-order
 (desc_act); damping raised automatically when the Cholesky factorisation fails, then round-to-nearest
 for that set of layers (reported); true-sequential quantization inside each block, block after block
 with the quantized outputs fed forward, one decoder layer on the device at a time. Output: the
-standard GPTQ layout (backends/torch/gptq_format.py) that transformers + optimum/gptqmodel, AutoGPTQ,
+standard GPTQ layout (backends/torch/quantization/gptq/format.py) that transformers + optimum/gptqmodel, AutoGPTQ,
 GPTQModel, vLLM and TGI read, and mudpuppy loads back for eval, chat, export and as a frozen base for
 LoRA. The mlx backend delegates to mlx-lm's GPTQ (backends/mlx/gptq.py says what it refuses) and
 writes an mlx-lm model directory.

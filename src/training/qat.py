@@ -5,16 +5,16 @@ Supports: everything SFT's loop does (it is SFT's loop: data, schedule, accumula
 resume, early stopping, held-out checks), full fine-tuning and LoRA; int4 or int8 weights in
 symmetric groups, optionally int8 dynamic per-token activations; `fake_quant_after_n_steps`;
 the torch backends (cpu, cuda, rocm), in one process. Not supported: DoRA, QLoRA, adapter
-dropout (backends/torch/qat_layers.py says why), the mlx backend (its `plan_qat` refuses),
+dropout (backends/torch/quantization/qat/layers.py says why), the mlx backend (its `plan_qat` refuses),
 distributed runs. What QAT is on a backend comes from `backend.plan_qat` (protocol.QatPlan).
 
     setup           data; the group size checked against the model's layers; model, adapter,
-                    torchao fake quantizers (backends/torch/qat_layers.py), switched off
+                    torchao fake quantizers (backends/torch/quantization/qat/layers.py), switched off
     PTQ baseline    the same fine-tune without fake quantization, then round-to-nearest at the
                     same bits and group size, measured on the held-out data (see below)
     loop            SFT's train_loop; fake quantization switched on from step
                     fake_quant_after_n_steps (0: from the start)
-    save            output_dir: the converted model (codes + scales, backends/torch/qat_io.py's
+    save            output_dir: the converted model (codes + scales, backends/torch/quantization/qat/files.py's
                     layout), loadable by mudpuppy; output_dir/trained: the fine-tuned float
                     weights (the LoRA adapter, or the whole model); merged/ with merge: true
     report          held-out loss (and exact match) of the float fine-tune, PTQ, QAT with fake

@@ -214,7 +214,7 @@ def test_dora(backend, model_dirs, family):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_qlora(backend, model_dirs, family):
     from mudpuppy.backends.torch.experts import PackedExperts
-    from mudpuppy.backends.torch.quantize import Linear4bit, dequantize_model
+    from mudpuppy.backends.torch.quantization.linear4bit import Linear4bit, dequantize_model
 
     handle, info = load(backend, model_dirs(family), {"type": "qlora", "quant_backend": "int4"})
     assert any(isinstance(m, Linear4bit) for m in handle.model.modules())

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from mudpuppy import create_backend, load_config, run
 from mudpuppy.backends.torch import memory as memory_mod
 from mudpuppy.backends.torch.frozen import FrozenLinear, StoredLinear
-from mudpuppy.backends.torch.quantize import Linear4bit, quantize_model
+from mudpuppy.backends.torch.quantization.linear4bit import Linear4bit, quantize_model
 from mudpuppy.cli import main
 from mudpuppy.config import AdapterConfig, MemoryConfig, ModelConfig
 from mudpuppy.errors import MudpuppyError

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mudpuppy.backends.torch.quant_formats import (
+from mudpuppy.backends.torch.quantization.formats import (
     E2M1_MAGNITUDES,
     choose_shared_exponents,
     dequantize_int4,
@@ -18,7 +18,7 @@ from mudpuppy.backends.torch.quant_formats import (
     quantize_mxfp4,
     unpack_nibbles,
 )
-from mudpuppy.backends.torch.quantize import (
+from mudpuppy.backends.torch.quantization.linear4bit import (
     Linear4bit,
     dequantize_model,
     model_memory_bytes,
@@ -367,8 +367,8 @@ def test_fused_dequantization_gives_the_eager_values_bit_for_bit(backend, group,
     """QLoRA layers dequantize through a compiled kernel per layer shape; a merge rebuilds the base
     from the same codes with the eager code, so the kernel must give exactly the eager result,
     written into the buffer it is handed. 330 inputs: not a whole number of groups or blocks."""
-    from mudpuppy.backends.torch import quantize
-    from mudpuppy.backends.torch.quant_formats import dequantize_weight, quantize_weight
+    from mudpuppy.backends.torch.quantization import linear4bit as quantize
+    from mudpuppy.backends.torch.quantization.formats import dequantize_weight, quantize_weight
 
     monkeypatch.setattr(quantize, "FUSED_MIN_WEIGHTS", 0)   # compile even this small layer
     weight = torch.randn(200, 330, generator=torch.Generator().manual_seed(1))
@@ -388,8 +388,8 @@ def test_fused_dequantization_gives_the_eager_values_bit_for_bit(backend, group,
 def test_a_kernel_that_disagrees_with_the_eager_values_is_not_used(monkeypatch):
     """The first call of each shape compares the compiled kernel with the eager code; one that
     differs (here: made to add one ulp) is dropped for that shape, and the eager values come back."""
-    from mudpuppy.backends.torch import quantize
-    from mudpuppy.backends.torch.quant_formats import dequantize_weight, quantize_weight
+    from mudpuppy.backends.torch.quantization import linear4bit as quantize
+    from mudpuppy.backends.torch.quantization.formats import dequantize_weight, quantize_weight
 
     monkeypatch.setattr(quantize, "FUSED_MIN_WEIGHTS", 0)
     monkeypatch.setattr(quantize, "_CPU_KERNELS", {})
@@ -431,8 +431,8 @@ def test_a_shape_compiles_once_whether_called_under_autocast_or_not(monkeypatch)
     on that state, so without a fixed one each shape would compile a second, unchecked kernel."""
     from torch._dynamo.utils import counters
 
-    from mudpuppy.backends.torch import quantize
-    from mudpuppy.backends.torch.quant_formats import dequantize_weight, quantize_weight
+    from mudpuppy.backends.torch.quantization import linear4bit as quantize
+    from mudpuppy.backends.torch.quantization.formats import dequantize_weight, quantize_weight
 
     monkeypatch.setattr(quantize, "FUSED_MIN_WEIGHTS", 0)
     tensors = quantize_weight(torch.randn(72, 136, generator=torch.Generator().manual_seed(3)), "int4", 8)
@@ -448,7 +448,7 @@ def test_a_shape_compiles_once_whether_called_under_autocast_or_not(monkeypatch)
 
 
 def test_same_bits_tells_signed_zeros_apart_and_a_nan_equal_to_itself():
-    from mudpuppy.backends.torch.quantize import same_bits
+    from mudpuppy.backends.torch.quantization.linear4bit import same_bits
 
     assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
     assert same_bits(torch.tensor([float("nan"), 1.0]).bfloat16(), torch.tensor([float("nan"), 1.0]).bfloat16())
@@ -482,7 +482,7 @@ def test_the_gpu_dequantizer_is_built_and_checked_per_format_and_dtype(monkeypat
     compiled function (its own recompile budget) and its own bit-for-bit check, so a format inductor gets
     wrong falls back alone; every call runs with autocast off and grad off, whatever the caller's state."""
     from mudpuppy.backends.torch import compile as torch_compile
-    from mudpuppy.backends.torch import quantize as q
+    from mudpuppy.backends.torch.quantization import linear4bit as q
 
     compiled_codes, states = [], []
 
@@ -506,7 +506,7 @@ def test_the_gpu_dequantizer_is_built_and_checked_per_format_and_dtype(monkeypat
     assert mxfp4 is q.dequantize_weight
     assert len(set(map(id, compiled_codes))) == 3
     assert all(code is not q.dequantize_weight.__code__ for code in compiled_codes)
-    from mudpuppy.backends.torch.quant_formats import quantize_weight
+    from mudpuppy.backends.torch.quantization.formats import quantize_weight
 
     tensors = quantize_weight(torch.randn(64, 128), "int4", 64)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.enable_grad():

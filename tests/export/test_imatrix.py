@@ -85,7 +85,7 @@ def test_collected_from_a_tiny_model(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mudpuppy.backends.torch.imatrix import collect_input_squares
+    from mudpuppy.backends.torch.quantization.imatrix import collect_input_squares
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     sequences = [[1, 5, 9, 13, 2], [7, 3, 3, 8]]

@@ -19,7 +19,7 @@ def test_a_qlora_run_merges_into_the_dequantized_base(tiny_model_dir, tmp_path, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from mudpuppy.backends.torch import quantize
+    from mudpuppy.backends.torch.quantization import linear4bit as quantize
 
     # The eager dequantizer (the compiled one gives the same values bit for bit, and costs a compile here).
     monkeypatch.setenv(quantize.EAGER_ENV, "1")

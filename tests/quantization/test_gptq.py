@@ -19,7 +19,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from mudpuppy.cli import main
-from mudpuppy.backends.torch import gptq_layers, gptq_sweep
+from mudpuppy.backends.torch.quantization.gptq import layers as gptq_layers
+from mudpuppy.backends.torch.quantization.gptq import sweep as gptq_sweep
 from mudpuppy.errors import MudpuppyError
 from mudpuppy.quantization import gptq as G
 from mudpuppy.quantization.gptq_format import pack_linear, read_quantization_config, unpack_codes, unpack_zeros
@@ -354,7 +355,7 @@ def test_run_writes_the_standard_layout_and_reports_three_losses(gptq_run):
 
 def test_independent_reader_reproduces_mudpuppys_logits(gptq_run, model64):
     from mudpuppy import create_backend
-    from mudpuppy.backends.torch.gptq_linear import GptqLinear
+    from mudpuppy.backends.torch.quantization.gptq.linear import GptqLinear
     from mudpuppy.config import ModelConfig
 
     out, _ = gptq_run
@@ -394,7 +395,7 @@ def test_mudpuppy_eval_measures_the_gptq_run_as_saved(gptq_run):
 
 def test_lora_trains_on_the_gptq_model(gptq_run, tmp_path):
     from mudpuppy import load_config
-    from mudpuppy.backends.torch.gptq_linear import GptqLinear
+    from mudpuppy.backends.torch.quantization.gptq.linear import GptqLinear
     from mudpuppy.training import run
 
     out, _ = gptq_run
@@ -429,7 +430,7 @@ def test_some_modules_only(model64, tmp_path):
     """gptq.modules: only q_proj and v_proj are quantized; the config says so for other readers, and the
     rest loads back as plain linear layers."""
     from mudpuppy import create_backend
-    from mudpuppy.backends.torch.gptq_linear import GptqLinear
+    from mudpuppy.backends.torch.quantization.gptq.linear import GptqLinear
     from mudpuppy.config import ModelConfig
 
     cfg = gptq_config(model64, tmp_path / "out", modules=["q_proj", "v_proj"])

@@ -13,9 +13,9 @@ from mudpuppy import quantization
 
 HOMES = {
     "kernels": ("kernels", "quantized_linear"),
-    "qat": ("qat_layers", "qat_io"),
-    "gptq": ("gptq_sweep", "gptq_layers", "gptq_io"),
-    "gptq_format": ("gptq_format",),
+    "qat": ("qat.layers", "qat.files"),
+    "gptq": ("gptq.sweep", "gptq.layers", "gptq.files"),
+    "gptq_format": ("gptq.format",),
 }
 
 
@@ -28,7 +28,7 @@ def test_importing_the_package_imports_no_torch():
 @pytest.mark.parametrize("public", sorted(HOMES))
 def test_every_public_name_is_the_torch_modules_own(public):
     module = importlib.import_module(f"mudpuppy.quantization.{public}")
-    homes = [importlib.import_module(f"mudpuppy.backends.torch.{name}") for name in HOMES[public]]
+    homes = [importlib.import_module(f"mudpuppy.backends.torch.quantization.{name}") for name in HOMES[public]]
     assert module.__all__
     for name in module.__all__:
         owners = [home for home in homes if hasattr(home, name)]

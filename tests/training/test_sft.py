@@ -142,7 +142,7 @@ def test_qlora_quantizes_the_base_and_merges_into_the_weights_it_trained_on(tiny
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from mudpuppy.backends.torch.quantize import quantize_model
+    from mudpuppy.backends.torch.quantization.linear4bit import quantize_model
 
     tiny_config["adapter"] = {"type": "qlora", "r": 4, "alpha": 8, "quant_backend": "int4", "quant_group_size": 16}
     tiny_config["training"].update(max_steps=4, learning_rate=3e-2)
@@ -178,7 +178,7 @@ def test_merge_command_rebuilds_the_qlora_base(tiny_config, tiny_model_dir, tmp_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from mudpuppy.backends.torch.quantize import quantize_model
+    from mudpuppy.backends.torch.quantization.linear4bit import quantize_model
 
     tiny_config["adapter"] = {"type": "qlora", "r": 4, "alpha": 8, "quant_backend": "mxfp4"}
     tiny_config["training"].update(max_steps=3, learning_rate=3e-2)
@@ -207,7 +207,7 @@ def _safetensor_keys(directory):
 
 
 def test_qlora_never_quantizes_a_scalar_head(tiny_config):
-    from mudpuppy.backends.torch.quantize import Linear4bit
+    from mudpuppy.backends.torch.quantization.linear4bit import Linear4bit
 
     backend = create_backend("cpu", precision="fp32")
     cfg = load_config(tiny_config)

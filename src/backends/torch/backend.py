@@ -31,11 +31,11 @@ from .devices import convert_to_fp8
 from .forward import TorchForward
 from .loading import compact_dtype, load_model_weights, quiet_if, storage_dtype
 from .frozen import compute_compact_embeddings
-from .gptq import TorchGptq
+from .quantization.gptq.method import TorchGptq
 from .memory import return_freed_host_memory
 from .ops import TorchOps
-from .qat import TorchQat
-from .qat_io import is_qat_checkpoint
+from .quantization.qat.method import TorchQat
+from .quantization.qat.files import is_qat_checkpoint
 from .vision import is_vision_checkpoint
 
 
@@ -124,7 +124,7 @@ class TorchBackend(TorchForward):
         from .experts import find_moe, packed_parameter
         from .frozen import StoredLinear
         from .loading import FrozenPlan
-        from .quantize import Linear4bit, find_quantizable_linears
+        from .quantization.linear4bit import Linear4bit, find_quantizable_linears
 
         quantize = adapter is not None and adapter.type == "qlora"
         stream = bool(self.plan.memory and self.plan.memory.stream_layers) and adapter is not None
@@ -196,7 +196,7 @@ class TorchBackend(TorchForward):
         """Replace the base model's linear layers by our 4-bit ones (QLoRA); returns a one-line report.
         Deterministic, so a resumed run quantizes again and gets the same base."""
         from .experts import quantize_experts, summarize_experts
-        from .quantize import quantize_model, summarize_quantized
+        from .quantization.linear4bit import quantize_model, summarize_quantized
 
         loaded = summarize_quantized(handle.model)
         if loaded is not None:          # quantized while loading (load_model with a qlora adapter)
@@ -249,7 +249,7 @@ class TorchBackend(TorchForward):
 
         load_training_state(self, handle, trainer, path)
 
-    # ------------------------------------------------ quantization recipes (gptq.py, qat.py)
+    # ------------------------------------------------ quantization recipes (quantization/gptq, quantization/qat)
     def plan_gptq(self, gptq_cfg) -> TorchGptq:
         return TorchGptq(gptq_cfg, self.device)
 

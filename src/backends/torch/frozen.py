@@ -1,6 +1,6 @@
 """Frozen linear layers whose full weight exists only while it is used.
 
-Two kinds share one mechanism: `Linear4bit` (quantize.py) keeps 4-bit codes
+Two kinds share one mechanism: `Linear4bit` (quantization/linear4bit.py) keeps 4-bit codes
 and rebuilds the weight from them; `StoredLinear` keeps the weight as stored
 (in host memory when streaming, or in bf16 where the device computes in fp32)
 and copies or upcasts it. Either way the weight is *materialized*
@@ -348,7 +348,7 @@ def keep_weights_for_backward(model: nn.Module, keep: bool) -> int:
     5632x2048 weight on this project's CPU), so it is rebuilt for the backward
     instead: with the seven weights of a 1B model's layer kept, the peak of a
     LoRA step grew by 130 MB. 4-bit layers rebuild too (QLoRA is for memory;
-    see quantize.py). Host-to-device copies cost more, and streamed layers
+    see quantization/linear4bit.py). Host-to-device copies cost more, and streamed layers
     keep theirs.
     """
     kept = 0

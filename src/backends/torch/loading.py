@@ -36,8 +36,8 @@ from ...errors import MudpuppyError
 from .attention import choose_attention
 from .experts import per_expert_layout
 from .frozen import FrozenLinear
-from .qat_io import is_qat_checkpoint, load_quantized
-from .gptq_linear import gptq_settings_of, install_gptq_layers
+from .quantization.qat.files import is_qat_checkpoint, load_quantized
+from .quantization.gptq.linear import gptq_settings_of, install_gptq_layers
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -339,7 +339,7 @@ def load_model_weights(auto_class: str, directory: Path, dtype: torch.dtype, dev
     gptq = gptq_settings_of(directory)
     if gptq is not None:
         # A GPTQ checkpoint (quantization_config, quant_method gptq): its linears become GptqLinear
-        # layers (gptq_linear.py) whose tensors are read as stored; transformers' own path would need
+        # layers (quantization/gptq/linear.py) whose tensors are read as stored; transformers' own path would need
         # optimum and gptqmodel. The model in memory is then plain to transformers, so a merged or
         # re-saved model does not claim to be GPTQ.
         if hasattr(config, "quantization_config"):

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...errors import MudpuppyError
-from .frozen import FrozenLinear, densify_frozen_linears
-from .quant_formats import (
+from ....errors import MudpuppyError
+from ..frozen import FrozenLinear, densify_frozen_linears
+from .formats import (
     E8M0_BIAS,
     MX_BLOCK,
     build_e2m1_table,
@@ -201,7 +201,7 @@ def _dequantize_on_cpu(tensors, quant_backend, in_features, dtype, out):
 def _build_cpu_kernel(tensors, quant_backend, in_features, out):
     """Compile the fused kernel for one shape and check it on this call's weight (the eager values,
     bit for bit); `dequantize_weight` itself when it differs or cannot be built."""
-    from .compile import kernel_toolchain_missing
+    from ..compile import kernel_toolchain_missing
 
     if kernel_toolchain_missing("cpu") is not None:
         return dequantize_weight
@@ -254,7 +254,7 @@ def _build_dequantizer(device: torch.device, quant_backend: str, dtype: torch.dt
     dynamo guards on both, and backward, merge and DoRA call it under other settings than the
     forward, which would otherwise compile further graphs nobody checked.
     """
-    from .compile import kernel_toolchain_missing
+    from ..compile import kernel_toolchain_missing
 
     if os.environ.get(EAGER_ENV) == "1" or kernel_toolchain_missing(device.type) is not None:
         return dequantize_weight
@@ -405,7 +405,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Replace each `Linear4bit` (and any other frozen layer) with an ``nn.Linear`` of its full weight
     (see `frozen.densify_frozen_linears`), and each 4-bit expert stack with a plain parameter
     (`experts.densify_experts`). Returns the number of layers and stacks replaced."""
-    from .experts import densify_experts
+    from ..experts import densify_experts
 
     return densify_frozen_linears(model, dtype) + densify_experts(model, dtype)
 

@@ -3,19 +3,19 @@
 Every gptq setting is honoured: 2, 3, 4 and 8 bits, groups of any power of two or one per row,
 symmetric or asymmetric grids, act-order, damping raised automatically, true-sequential. The model
 is quantized from its checkpoint in host memory, one decoder layer at a time on the device
-(gptq_layers.py, the sweep in gptq_sweep.py), and saved in the GPTQ layout other tools read
-(gptq_format.py, gptq_io.py). The recipe around it is training/gptq.py.
+(layers.py, the sweep in sweep.py), and saved in the GPTQ layout other tools read
+(format.py, files.py). The recipe around it is training/gptq.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ...data.tokenizers import save_tokenizer
-from .gptq_format import quantization_config
-from .gptq_io import load_host_model, save_quantized
-from .gptq_layers import plan_linears, quantize_model, round_to_nearest_model
-from .gptq_sweep import QuantSpec
+from .....data.tokenizers import save_tokenizer
+from .format import quantization_config
+from .files import load_host_model, save_quantized
+from .layers import plan_linears, quantize_model, round_to_nearest_model
+from .sweep import QuantSpec
 
 
 class TorchGptq:
@@ -40,7 +40,7 @@ class TorchGptq:
 
     def quantize(self, handle, model_cfg, examples, out: Path, echo) -> dict:
         """GPTQ of the checkpoint read into host memory: the device copy in `handle` goes first."""
-        from ... import __version__
+        from ..... import __version__
 
         g, spec = self.cfg, self.spec
         source, tokenizer = handle.source, handle.tokenizer

@@ -1,4 +1,4 @@
-"""A converted QAT model on disk (qat_layers.py converts it): written, recognised and read back.
+"""A converted QAT model on disk (layers.py converts it): written, recognised and read back.
 
 On-disk layout of a converted model (a transformers model directory):
 
@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...data.tokenizers import save_tokenizer
-from ...errors import MudpuppyError
-from .handle import cache_on
-from .qat_layers import FORMAT_VERSION, QUANT_METHOD, QatSpec
-from .quantized_linear import QuantizedLinear, count_bytes, pack_int4, unpack_int4
+from .....data.tokenizers import save_tokenizer
+from .....errors import MudpuppyError
+from ...handle import cache_on
+from .layers import FORMAT_VERSION, QUANT_METHOD, QatSpec
+from ..quantized_linear import QuantizedLinear, count_bytes, pack_int4, unpack_int4
 
 
 def save_quantized(model: nn.Module, tokenizer, path: str | Path) -> int:

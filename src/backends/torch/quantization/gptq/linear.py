@@ -21,15 +21,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...errors import MudpuppyError
-from .gptq_format import (
+from .....errors import MudpuppyError
+from .format import (
     GptqSettings,
     PackedLinear,
     check_packable,
     dequantize_packed,
     read_quantization_config,
 )
-from .frozen import FrozenLinear
+from ...frozen import FrozenLinear
 
 BUFFERS = ("qweight", "qzeros", "scales", "g_idx")
 

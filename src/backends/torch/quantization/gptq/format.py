@@ -18,7 +18,7 @@ some values straddle two words, exactly as AutoGPTQ's packer lays them out.
 
 The "v1" zero point is stored minus one. Readers differ on what they do with a stored value whose
 `zero - 1` wrapped below 0 (some mask after adding one back, some do not, GPTQModel's v1->v2
-conversion carries into the next field), so `gptq_sweep.py` never produces a zero point of
+conversion carries into the next field), so `sweep.py` never produces a zero point of
 0: every reader then gets the same weights.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import MudpuppyError
+from .....errors import MudpuppyError
 
 PACK_WIDTH = 32                 # values per packed run; both packed dimensions must be multiples of it
 SUPPORTED_BITS = (2, 3, 4, 8)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import MudpuppyError
+from ....errors import MudpuppyError
 
 EXACT_K_SLICE = 1024          # int8 products summed exactly in float32: 1024 * 2^14 = 2^24
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from ...errors import MudpuppyError
+from ....errors import MudpuppyError
 
 QUANT_BACKENDS = ("int4", "mxfp4")
 

@@ -1,6 +1,6 @@
 """GPTQ's files: the model read into host memory to be quantized, and the quantized model written in
-the GPTQ layout (gptq_format.py) that transformers + optimum/gptqmodel, AutoGPTQ, GPTQModel, vLLM and
-TGI read, and mudpuppy loads back (gptq_linear.py)."""
+the GPTQ layout (format.py) that transformers + optimum/gptqmodel, AutoGPTQ, GPTQModel, vLLM and
+TGI read, and mudpuppy loads back (linear.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from .gptq_linear import GptqLinear
-from .loading import FrozenPlan, compact_dtype, load_model_weights
+from .linear import GptqLinear
+from ...loading import FrozenPlan, compact_dtype, load_model_weights
 
 SHARD_BYTES = 4 * 2**30
 

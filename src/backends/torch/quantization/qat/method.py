@@ -1,5 +1,5 @@
 """`method: qat` on torch (cpu, cuda, rocm): torchao's fake quantization and our conversion behind
-`BackendProtocol.plan_qat`. The layers are qat_layers.py, the converted model's files qat_io.py, the
+`BackendProtocol.plan_qat`. The layers are layers.py, the converted model's files files.py, the
 recipe around them training/qat.py.
 """
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..models import resolve_model
-from .qat_io import save_quantized
-from .qat_layers import QatLayers, QatSpec, check_adapter, check_group_size, convert_qat, prepare_qat, set_fake_quant
+from ....models import resolve_model
+from .files import save_quantized
+from .layers import QatLayers, QatSpec, check_adapter, check_group_size, convert_qat, prepare_qat, set_fake_quant
 
 
 class TorchQat:

@@ -12,7 +12,7 @@ kernels after.
                                 (of 4 or 8 bits) and float32 group scales: the same grid the fake
                                 quantizer used, so the converted model computes what training saw
 
-The converted model's files are qat_io.py; the backend's `method: qat` (protocol.QatPlan) is qat.py.
+The converted model's files are files.py; the backend's `method: qat` (protocol.QatPlan) is method.py.
 
 LoRA: the deployed model is the base with the adapter merged in, then quantized, so
 that is what training fakes: each LoRA layer computes ``x @ fq(W + scale * B A)^T + b``
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import MudpuppyError
-from .frozen import FrozenLinear
-from .quantized_linear import QuantizedLinear
+from .....errors import MudpuppyError
+from ...frozen import FrozenLinear
+from ..quantized_linear import QuantizedLinear
 
 QUANT_METHOD = "mudpuppy_qat"
 FORMAT_VERSION = 1

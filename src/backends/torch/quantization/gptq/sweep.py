@@ -1,6 +1,6 @@
 """GPTQ (Frantar et al., 2022, arXiv:2210.17323) for one weight matrix, in plain torch: no CUDA-only
 call, so the same code runs on the CPU, ROCm and CUDA. The walk over a model's layers that feeds it
-is gptq_layers.py; the files it writes, gptq_io.py.
+is layers.py; the files it writes, files.py.
 
 Per linear layer, with H = 2 X^T X from the layer's calibration inputs X:
 
@@ -16,7 +16,7 @@ Per linear layer, with H = 2 X^T X from the layer's calibration inputs X:
 Grids: asymmetric ``q = clamp(round(w / s) + z, 0, 2^b - 1)`` over [min(w, 0), max(w, 0)], or
 symmetric with z = 2^(b-1) and s = 2 max|w| / (2^b - 1), as AutoGPTQ. Scales are rounded to fp16
 before use, so the codes are exact for the stored scales. A zero point of 0 (an asymmetric group
-with no negative weight) is moved to 1 with the scale widened to match (see gptq_format.py: v1
+with no negative weight) is moved to 1 with the scale widened to match (see format.py: v1
 readers disagree about zero 0).
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gptq_format import PackedLinear, pack_linear
+from .format import PackedLinear, pack_linear
 
 BLOCK = 128                   # columns per lazy-update block of the sweep
 

@@ -1,4 +1,4 @@
-"""GPTQ over a model, decoder layer by decoder layer (the sweep of one weight matrix is gptq_sweep.py).
+"""GPTQ over a model, decoder layer by decoder layer (the sweep of one weight matrix is sweep.py).
 
 The model: `quantize_model` walks the decoder layers one at a time. The inputs of the first layer
 are captured once for every calibration example (batched by length, right-padded: causal attention
@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ...errors import MudpuppyError
-from .frozen import FrozenLinear
-from .gptq_format import check_packable
-from .gptq_linear import GptqLinear
-from .gptq_sweep import QuantSpec, SweepResult, gptq_quantize, output_error, round_to_nearest
+from .....errors import MudpuppyError
+from ...frozen import FrozenLinear
+from .format import check_packable
+from .linear import GptqLinear
+from .sweep import QuantSpec, SweepResult, gptq_quantize, output_error, round_to_nearest
 
 class _Stop(Exception):
     """Raised from a hook once it has what it came for: the rest of the forward pass is not needed."""

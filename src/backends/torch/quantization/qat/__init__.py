@@ -1,0 +1,1 @@
+"""Quantization-aware training on torch: the layers, the converted model's files, the method."""
