@@ -131,7 +131,7 @@ def find_backend(device: str):
     """(backend, None) for the device asked for, or (None, why not)."""
     import torch
     from mudpuppy import create_backend
-    from mudpuppy.backends.torch.devices import describe_build, torch_build
+    from mudpuppy.backends.torch.devices.gpu import describe_build, torch_build
     from mudpuppy.errors import MudpuppyError
 
     if device == "cpu":
@@ -169,7 +169,7 @@ def peak_memory(device) -> dict:
 def check_environment(args, backend) -> dict:
     import torch
 
-    from mudpuppy.backends.torch.devices import attention_report, describe_attention
+    from mudpuppy.backends.torch.devices.gpu import attention_report, describe_attention
 
     device = backend.plan.device
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),

@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def find_gpu_backend(device: int | None):
     """The mudpuppy backend for this torch build and GPU, or a message saying why there is none."""
     from mudpuppy import create_backend
-    from mudpuppy.backends.torch.devices import describe_build, torch_build
+    from mudpuppy.backends.torch.devices.gpu import describe_build, torch_build
     from mudpuppy.errors import MudpuppyError
 
     build = torch_build()

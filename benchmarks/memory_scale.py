@@ -280,10 +280,10 @@ def native_bf16(gpu: bool) -> bool:
         # mudpuppy's own decision (the GPU's architecture), not torch.cuda.is_bf16_supported(), which ROCm
         # answers True on every card, emulated bf16 included: both sides then train at the same precision.
         from mudpuppy import create_backend
-        from mudpuppy.backends.torch.devices import torch_build
+        from mudpuppy.backends.torch.devices.gpu import torch_build
 
         return create_backend(torch_build()).plan.precision == "bf16"
-    from mudpuppy.backends.torch.cpu import cpu_has_fast_bf16
+    from mudpuppy.backends.torch.devices.cpu import cpu_has_fast_bf16
 
     return cpu_has_fast_bf16()
 

@@ -68,7 +68,7 @@ def announce_precision(choice: str) -> tuple[str, str]:
 
 def native_precision() -> tuple[str, str]:
     """bf16 where this CPU runs bf16 matmuls natively, else fp32; and why."""
-    from mudpuppy.backends.torch.cpu import cpu_has_fast_bf16
+    from mudpuppy.backends.torch.devices.cpu import cpu_has_fast_bf16
 
     if cpu_has_fast_bf16():
         return "bf16", "this CPU runs bf16 matmuls natively (oneDNN reports AVX512-BF16/AMX)"

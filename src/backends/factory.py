@@ -17,10 +17,10 @@ from .protocol import Availability, BackendProtocol
 # Order matters for "auto": accelerators first, the CPU last. MLX on Linux runs
 # on the CPU ~30x slower than torch, so "auto" picks it only on a Metal GPU.
 _REGISTRY: dict[str, tuple[str, str]] = {
-    "rocm": ("mudpuppy.backends.torch.rocm", "AMD GPUs through PyTorch's ROCm (HIP) build"),
-    "cuda": ("mudpuppy.backends.torch.cuda", "NVIDIA GPUs through PyTorch's CUDA build"),
+    "rocm": ("mudpuppy.backends.torch.devices.rocm", "AMD GPUs through PyTorch's ROCm (HIP) build"),
+    "cuda": ("mudpuppy.backends.torch.devices.cuda", "NVIDIA GPUs through PyTorch's CUDA build"),
     "mlx": ("mudpuppy.backends.mlx", "Apple's MLX (Metal GPU on Apple Silicon, CPU elsewhere)"),
-    "cpu": ("mudpuppy.backends.torch.cpu", "PyTorch on the CPU"),
+    "cpu": ("mudpuppy.backends.torch.devices.cpu", "PyTorch on the CPU"),
 }
 
 

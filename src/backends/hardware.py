@@ -1,7 +1,7 @@
 """`read_hardware(backend)`: what the device of a backend and this process use right now, for the --tui
 dashboard (monitor/).
 
-The readings themselves live beside their runtime (backends/torch/telemetry.py
+The readings themselves live beside their runtime (backends/torch/devices/telemetry.py
 for CUDA and ROCm, backends/mlx/telemetry.py for MLX) and are imported only
 when that backend is the one running; the process's own memory, read on
 every backend, and the `Reading` type they all return are in
@@ -18,7 +18,7 @@ def read_hardware(backend=None) -> list[Reading]:
     name = getattr(backend, "name", None)
     readings: list[Reading] = []
     if name in ("cuda", "rocm"):
-        from .torch.telemetry import gpu_readings
+        from .torch.devices.telemetry import gpu_readings
 
         readings += gpu_readings(backend.device, name)
     elif name == "mlx":

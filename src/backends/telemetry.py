@@ -1,7 +1,7 @@
 """Hardware readings of the device a backend runs on, for the --tui dashboard (monitor/): the `Reading`
 type and the process's own memory.
 
-A leaf: the runtime-specific readings (backends/torch/telemetry.py for CUDA
+A leaf: the runtime-specific readings (backends/torch/devices/telemetry.py for CUDA
 and ROCm, backends/mlx/telemetry.py for MLX) import `Reading` from here, and
 backends/hardware.py's `read_hardware(backend)`, the one entry point, picks
 among them. The process's resident memory (psutil, else the `resource`

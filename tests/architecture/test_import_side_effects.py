@@ -60,7 +60,7 @@ MODULES = [
     ["mudpuppy"],
     ["mudpuppy", "mudpuppy.cli"],
     # the torch backend's modules and what a run and the server import
-    ["mudpuppy.backends.torch.backend", "mudpuppy.backends.torch.cpu", "mudpuppy.training.sft",
+    ["mudpuppy.backends.torch.backend", "mudpuppy.backends.torch.devices.cpu", "mudpuppy.training.sft",
      "mudpuppy.training.grpo", "mudpuppy.serving", "mudpuppy.monitor.trackers", "mudpuppy.export"],
 ]
 

@@ -227,9 +227,9 @@ ALLOWED_WRITES: dict[str, str] = {
                                           "cuBLAS reads it at its first call and torch re-checks it at every call "
                                           "while its process-wide deterministic switch is on; removed again when "
                                           "no GPU backend came of it",
-    "environ: mudpuppy.backends.torch.devices": "the GPU allocator's defaults (PYTORCH_*_ALLOC_CONF), read once by "
+    "environ: mudpuppy.backends.torch.devices.gpu": "the GPU allocator's defaults (PYTORCH_*_ALLOC_CONF), read once by "
                                                 "torch before its first device allocation; a user's value is kept",
-    "environ: mudpuppy.backends.torch.visibility": "which GPUs HIP may see (HIP/ROCR_VISIBLE_DEVICES), read once when "
+    "environ: mudpuppy.backends.torch.devices.visibility": "which GPUs HIP may see (HIP/ROCR_VISIBLE_DEVICES), read once when "
                                                    "HIP starts; hiding an iGPU that would crash the run",
 }
 

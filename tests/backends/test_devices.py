@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 from mudpuppy import create_backend
 from mudpuppy.backends import factory
-from mudpuppy.backends.torch import cuda, devices, rocm
+from mudpuppy.backends.torch.devices import cuda, fp8_training, gpu as devices, rocm
 from mudpuppy.backends.torch.backend import DevicePlan, TorchBackend
 from mudpuppy.errors import BackendUnavailable, MudpuppyError
 
@@ -433,7 +433,7 @@ def test_torch_reads_the_allocator_variable_set_after_import():
     if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
         pytest.skip("this torch cannot report its allocator settings")
     code = ("import torch\n"
-            "from mudpuppy.backends.torch import devices, rocm\n"
+            "from mudpuppy.backends.torch.devices import gpu as devices, rocm\n"
             "devices.set_allocator_defaults(rocm.KIND)\n"
             "print(torch._C._accelerator_getAllocatorSettings())\n")
     env = {k: v for k, v in os.environ.items() if k not in devices.ALLOCATOR_VARS}
@@ -484,7 +484,7 @@ def test_fp8_conversion_skips_the_output_head(monkeypatch, tiny_model_dir):
     monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.float8", fake)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
-    devices.convert_to_fp8(model)
+    fp8_training.convert_to_fp8(model)
     assert picked and "lm_head" not in picked
     assert all(isinstance(model.get_submodule(n), torch.nn.Linear) for n in picked)
 
@@ -520,7 +520,7 @@ def test_fp8_conversion_leaves_frozen_layers_alone(monkeypatch, tiny_model_dir):
     attention = model.model.layers[0].self_attn
     plain = attention.q_proj
     attention.q_proj = StoredLinear.from_weight(plain.weight.detach(), plain.bias, torch.device("cpu"), None)
-    devices.convert_to_fp8(model)
+    fp8_training.convert_to_fp8(model)
     assert "model.layers.0.self_attn.q_proj" not in picked and "model.layers.0.self_attn.k_proj" in picked
 
 

@@ -61,7 +61,7 @@ def test_auto_prefers_gpus_and_ends_on_cpu():
 
 
 def test_a_probe_that_crashes_reports_unavailable(monkeypatch):
-    import mudpuppy.backends.torch.cpu as cpu
+    import mudpuppy.backends.torch.devices.cpu as cpu
 
     def boom():
         raise RuntimeError("driver exploded")

@@ -42,7 +42,7 @@ def test_memory_scale_takes_bf16_from_mudpuppys_plan_not_torchs_flag(monkeypatch
 
     import mudpuppy
     import torch
-    from mudpuppy.backends.torch import devices
+    from mudpuppy.backends.torch.devices import gpu as devices
 
     scale = load_script("memory_scale")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)

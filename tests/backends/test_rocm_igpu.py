@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 import torch
-from mudpuppy.backends.torch import devices, kfd, rocm, sdpa, visibility
+from mudpuppy.backends.torch.devices import gpu as devices, kfd, rocm, sdpa, visibility
 from tests.backends.test_devices import RX_7900_XTX, STRIX_HALO, FakeProps, Machine, RAPHAEL_IGPU
 
 VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL",

@@ -96,14 +96,14 @@ def test_the_launcher_names_the_rank_that_failed_not_the_ones_it_stopped():
 
 
 def gpus():
-    from mudpuppy.backends.torch.devices import Gpu
+    from mudpuppy.backends.torch.devices.gpu import Gpu
 
     return [Gpu(0, "Radeon 780M", "gfx1103", 16, (11, 0), integrated=True, problem="integrated GPU"),
             Gpu(1, "RX 7900 XTX", "gfx1100", 24, (11, 0)), Gpu(2, "RX 7900 XTX", "gfx1100", 24, (11, 0))]
 
 
 def test_local_ranks_map_onto_the_usable_gpus_only(monkeypatch):
-    from mudpuppy.backends.torch.devices import select_rank_device
+    from mudpuppy.backends.torch.devices.gpu import select_rank_device
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -113,7 +113,7 @@ def test_local_ranks_map_onto_the_usable_gpus_only(monkeypatch):
 
 
 def test_more_processes_than_usable_gpus_is_refused(monkeypatch):
-    from mudpuppy.backends.torch.devices import select_rank_device
+    from mudpuppy.backends.torch.devices.gpu import select_rank_device
     from mudpuppy.errors import BackendUnavailable
 
     monkeypatch.setenv("WORLD_SIZE", "3")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from mudpuppy import create_backend, load_config
-from mudpuppy.backends.torch import devices
+from mudpuppy.backends.torch.devices import gpu as devices
 from mudpuppy.data import Batcher, prepare_sft_data
 
 REPO = Path(__file__).resolve().parents[2]

@@ -133,7 +133,7 @@ def test_hardware_readings_for_each_backend_kind():
 
 
 def test_rocm_smi_json_is_matched_to_the_device_by_pci_bus():
-    from mudpuppy.backends.torch.telemetry import pick_card_busy
+    from mudpuppy.backends.torch.devices.telemetry import pick_card_busy
 
     cards = {"card0": {"GPU use (%)": "12", "PCI Bus": "0000:03:00.0"},
              "card1": {"GPU use (%)": "87", "PCI Bus": "0000:0C:00.0"}, "system": {"Driver version": "6.1"}}

@@ -1,6 +1,6 @@
 """The PyTorch implementation of the backend protocol, shared by cpu, cuda and rocm.
 
-Nothing here branches on the device: `cpu.py`, `cuda.py` and `rocm.py` hand in
+Nothing here branches on the device: `devices/cpu.py`, `cuda.py` and `rocm.py` hand in
 a `DevicePlan` (which torch device, which compute dtype, how to load) and this
 class does the rest with transformers and PEFT.
 """
@@ -27,7 +27,7 @@ from .handle import HEADS, SCALAR_HEADS, DevicePlan, TorchModel, cache_on, unwra
 from .attach import attach_adapter
 from .lora_init import save_plain
 from .trainer import TorchTrainer
-from .devices import convert_to_fp8
+from .devices.fp8_training import convert_to_fp8
 from .forward import TorchForward
 from .loading import compact_dtype, load_model_weights, quiet_if, storage_dtype
 from .frozen import compute_compact_embeddings

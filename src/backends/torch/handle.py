@@ -27,14 +27,14 @@ LOSS_CHUNK_TOKENS = 1024
 
 @dataclass
 class DevicePlan:
-    """What differs per device, decided by cpu.py / cuda.py / rocm.py."""
+    """What differs per device, decided by devices/cpu.py, cuda.py, rocm.py."""
 
     name: str                         # backend name: cpu, cuda, rocm
     device: torch.device
     autocast_dtype: torch.dtype | None = None   # compute dtype for matmuls, None = fp32
     notes: list[str] = field(default_factory=list)
     loss_scaling: bool = False        # scale fp16 losses (GradScaler) when the step computes in fp16
-    env: dict[str, str] = field(default_factory=dict)   # variables a child process needs (see devices.py)
+    env: dict[str, str] = field(default_factory=dict)   # variables a child process needs (see devices/gpu.py)
     attention: str = ""               # which SDPA kernel runs, for the report
     devices: list[int] = field(default_factory=list)    # torch indices of the GPUs in use
     precision: str = ""               # bf16, fp16, fp32 or fp8, as chosen by the device module
@@ -43,7 +43,7 @@ class DevicePlan:
     optimizer: str = "adamw"          # training.optimizer, checked against this device when the plan is made
     host: torch.device = field(default_factory=lambda: torch.device("cpu"))   # where offloaded state lives
     distributed: Any = None           # config.DistributedConfig: the strategy when launched as several processes
-    deterministic: bool = False       # training.deterministic: torch's deterministic algorithms (devices.py)
+    deterministic: bool = False       # training.deterministic: torch's deterministic algorithms (devices/gpu.py)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 What is NVIDIA-specific lives here: compute capabilities for bf16 and fp8,
 the allocator default and the install command. The mechanics are shared with
-ROCm in devices.py. bitsandbytes and flash-attn are reported when installed
+ROCm in gpu.py. bitsandbytes and flash-attn are reported when installed
 and never required: mudpuppy runs PyTorch SDPA and its own quantizers.
 """
 
@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from ..protocol import Availability
-from .backend import TorchBackend
-from .devices import Gpu, GpuKind, plan_gpu_run, probe_kind, reinstall_command, torch_build
+from ...protocol import Availability
+from ..backend import TorchBackend
+from .gpu import Gpu, GpuKind, plan_gpu_run, probe_kind, reinstall_command, torch_build
 
 CUDA_WHEEL_INDEX = "https://download.pytorch.org/whl/cu128"
 BF16_MIN_CAPABILITY = (8, 0)   # Ampere

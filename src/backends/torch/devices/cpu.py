@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import MudpuppyError
-from ..protocol import Availability
-from .backend import DevicePlan, TorchBackend
-from .devices import make_deterministic
-from .memory import check_memory_options
-from .optimizers import check_optimizer
+from ....errors import MudpuppyError
+from ...protocol import Availability
+from ..backend import DevicePlan, TorchBackend
+from .gpu import make_deterministic
+from ..memory import check_memory_options
+from ..optimizers import check_optimizer
 
 
 def cpu_has_fast_bf16() -> bool:

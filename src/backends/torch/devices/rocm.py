@@ -4,7 +4,7 @@ What is AMD-specific lives here: which architectures are integrated GPUs to
 skip (and to hide from HIP before it starts: visibility.py, from the KFD
 topology kfd.py reads), which have native bf16 and fp8, the allocator default,
 and the install command. The mechanics (probe, selection, precision,
-environment) are shared with CUDA in devices.py.
+environment) are shared with CUDA in gpu.py.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import re
 
 import torch
 
-from ..protocol import Availability
+from ...protocol import Availability
 from . import kfd, visibility
-from .backend import TorchBackend
-from .devices import (
+from ..backend import TorchBackend
+from .gpu import (
     ALLOW_IGPU_VAR,
     Gpu,
     GpuKind,

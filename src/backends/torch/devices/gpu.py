@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from ...distributed import from_environment, launched
-from ...errors import BackendUnavailable
-from ..protocol import Availability
-from .handle import DevicePlan
-from .memory import check_memory_options
-from .optimizers import check_optimizer
+from ....distributed import from_environment, launched
+from ....errors import BackendUnavailable
+from ...protocol import Availability
+from ..handle import DevicePlan
+from ..memory import check_memory_options
+from ..optimizers import check_optimizer
 from .sdpa import attention_report, describe_attention
 
 # torch reads the first of these that is set. PYTORCH_ALLOC_CONF is the newer,
@@ -387,25 +387,6 @@ def make_deterministic(plan: DevicePlan) -> None:
     plan.deterministic = True
     plan.notes.append("deterministic: torch's deterministic algorithms (steps repeat bit for bit; slower on a GPU; "
                       "an op without one stops the run, naming it)")
-
-
-def convert_to_fp8(model) -> None:
-    """Swap the model's linear layers for torchao's float8 training layers.
-
-    The output head stays as it is (its logits feed the loss directly), and so
-    does any layer whose sizes are not multiples of 16, which fp8 matmuls need.
-    """
-    from torchao.float8 import convert_to_float8_training
-
-    head = model.get_output_embeddings()
-
-    def eligible(module, _name: str) -> bool:
-        # Plain nn.Linear only: a frozen layer (4-bit, streamed, stored compactly; frozen.py) subclasses it,
-        # and torchao's swap would assign its read-only weight. fp8_problem refuses those runs first.
-        return (type(module) is torch.nn.Linear and module is not head
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
-
-    convert_to_float8_training(model, module_filter_fn=eligible)
 
 
 # ---------------------------------------------------------------- attention

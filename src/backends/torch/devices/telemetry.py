@@ -18,7 +18,7 @@ import subprocess
 
 import torch
 
-from ..telemetry import Reading
+from ...telemetry import Reading
 
 _UNAVAILABLE: set[str] = set()        # utilisation sources that failed in this process
 
