@@ -1,12 +1,12 @@
-"""The method sections: `preference`, `reward`, `grpo`, `gptq` and `qat`, each read under its own method only
-(RunConfig fills in or refuses them). Whether GRPO's reward specs, tools and environment name something
+"""The method sections: `preference`, `reward`, `grpo`, `rloo`, `gptq` and `qat`, each read under its own method
+only (RunConfig fills in or refuses them). Whether GRPO's (and RLOO's) reward specs, tools and environment name something
 usable is the check step's (`mudpuppy.configure`): their syntax lives in `rewards/`."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationInfo, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from .base import _Strict, outside_check
 from .training import TrainingConfig
@@ -41,9 +41,9 @@ class RewardConfig(_Strict):
     bad_pairs: Literal["drop", "error"] = Field("drop", description="rm pairs: as preference.bad_pairs")
 
 
-class GrpoConfig(_Strict):
-    """`method: grpo`: online RL with group-relative advantages. Names and defaults as TRL 1.x's
-    GRPOConfig, so configs move over. See docs/methods.md."""
+class RolloutConfig(_Strict):
+    """What every online method shares (`grpo`, `rloo`): sampling, rewards, tools and the clipped ratio.
+    Names and defaults as TRL 1.x's GRPOConfig, so configs move over. See docs/methods.md."""
 
     num_generations: int = Field(8, ge=2, description="completions sampled per prompt (a group)")
     max_completion_length: int = Field(256, gt=0, description="tokens sampled at most per completion")
@@ -56,32 +56,10 @@ class GrpoConfig(_Strict):
     epsilon_high: float | None = Field(
         None, gt=0, description="upper clip; null: epsilon. cispo: the cap on the ratio itself (ScaleRL's "
                                 "epsilon_max, 5.0 recommended; null caps at epsilon, as in TRL)")
-    delta: float | None = Field(None, gt=1.0, description="two-sided clipping: the unclipped ratio capped at delta")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
-        "dapo", description="see docs/methods.md#grpo (luspo is meant for importance_sampling_level sequence, "
-                            "vespo for token)")
-    sapo_temperature_neg: float = Field(
-        1.05, gt=0, description="sapo: temperature of the gate for tokens with advantage <= 0")
-    sapo_temperature_pos: float = Field(
-        1.0, gt=0, description="sapo: temperature of the gate for tokens with advantage > 0")
-    vespo_k_pos: float = Field(
-        2.0, ge=0, description="vespo, advantage >= 0: power k of the Gamma weight (down-weights ratios below 1)")
-    vespo_lambda_pos: float = Field(
-        3.0, ge=0, description="vespo, advantage >= 0: decay lambda of the Gamma weight (down-weights ratios "
-                               "above 1)")
-    vespo_k_neg: float = Field(
-        3.0, ge=0, description="vespo, advantage < 0: power k of the Gamma weight (down-weights ratios below 1)")
-    vespo_lambda_neg: float = Field(
-        2.0, ge=0, description="vespo, advantage < 0: decay lambda of the Gamma weight (down-weights ratios "
-                               "above 1)")
-    scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = Field(1, gt=0, description="optimisation passes over each generation batch")
     steps_per_generation: int | None = Field(
         None, gt=0, description="micro-batches each generation batch is split into; null: gradient_accumulation_steps")
-    importance_sampling_level: Literal["token", "sequence"] = "token"
     mask_truncated_completions: bool = Field(False, description="completions cut at max_completion_length carry no loss")
-    use_bias_correction_kl: bool = Field(
-        True, description="beta > 0: the KL term is weighted by the importance ratio (TRL's default)")
     reward_funcs: list[str | dict[str, Any]] = Field(
         default_factory=list, description="see docs/methods.md#grpo; may be empty when the environment scores "
                                           "rollouts with get_reward()")
@@ -115,6 +93,57 @@ class GrpoConfig(_Strict):
     @property
     def epsilon_upper(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+class GrpoConfig(RolloutConfig):
+    """`method: grpo`: online RL with group-relative advantages. See docs/methods.md."""
+
+    delta: float | None = Field(None, gt=1.0, description="two-sided clipping: the unclipped ratio capped at delta")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
+        "dapo", description="see docs/methods.md#grpo (luspo is meant for importance_sampling_level sequence, "
+                            "vespo for token)")
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, description="sapo: temperature of the gate for tokens with advantage <= 0")
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="sapo: temperature of the gate for tokens with advantage > 0")
+    vespo_k_pos: float = Field(
+        2.0, ge=0, description="vespo, advantage >= 0: power k of the Gamma weight (down-weights ratios below 1)")
+    vespo_lambda_pos: float = Field(
+        3.0, ge=0, description="vespo, advantage >= 0: decay lambda of the Gamma weight (down-weights ratios "
+                               "above 1)")
+    vespo_k_neg: float = Field(
+        3.0, ge=0, description="vespo, advantage < 0: power k of the Gamma weight (down-weights ratios below 1)")
+    vespo_lambda_neg: float = Field(
+        2.0, ge=0, description="vespo, advantage < 0: decay lambda of the Gamma weight (down-weights ratios "
+                               "above 1)")
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    use_bias_correction_kl: bool = Field(
+        True, description="beta > 0: the KL term is weighted by the importance ratio (TRL's default)")
+
+
+class RlooConfig(RolloutConfig):
+    """`method: rloo`: REINFORCE leave-one-out, TRL 1.16's RLOOTrainer: each completion's advantage is its
+    reward minus the mean reward of the other completions of its prompt; a sequence-level clipped ratio;
+    the KL to the reference is subtracted from the reward. See docs/methods.md."""
+
+    num_generations: int = Field(2, ge=2, description="completions sampled per prompt (the leave-one-out group)")
+    beta: float = Field(0.05, ge=0.0, description="weight of the KL to the reference, subtracted from each "
+                                                 "completion's reward (sum over its tokens of logp - ref logp); "
+                                                 "0 computes no reference")
+    epsilon_high: float | None = Field(None, gt=0, description="upper clip; null: epsilon")
+    normalize_advantages: bool = Field(False, description="scale the generation batch's advantages to mean 0, "
+                                                          "std 1")
+    reward_clip_range: tuple[float, float] | None = Field(
+        None, description="[min, max]: each completion's weighted reward clipped to it (before the KL); null: "
+                          "no clipping")
+
+    @field_validator("reward_clip_range")
+    @classmethod
+    def _clip_range(cls, v):
+        if v is not None and not v[0] < v[1]:
+            raise ValueError(f"[{v[0]:g}, {v[1]:g}] is empty; give [min, max] with min < max")
+        return v
 
 
 def power_of_two_group(v: int) -> int:
@@ -159,12 +188,12 @@ class QatConfig(_Strict):
         None, ge=0, description="train this many steps in full precision before fake quantization starts")
 
 
-def grpo_batch_problems(grpo: GrpoConfig, training: TrainingConfig) -> list[str]:
+def grpo_batch_problems(grpo: RolloutConfig, training: TrainingConfig, section: str = "grpo") -> list[str]:
     """A generation batch (micro_batch_size x steps_per_generation completions) must hold whole groups."""
     steps = grpo.steps_per_generation or training.gradient_accumulation_steps
     size = training.micro_batch_size * steps
     if size % grpo.num_generations:
-        return [f"grpo.num_generations: a generation batch holds training.micro_batch_size x steps_per_generation = "
+        return [f"{section}.num_generations: a generation batch holds training.micro_batch_size x steps_per_generation = "
                 f"{training.micro_batch_size} x {steps} = {size} completions, which is not a whole number of groups "
                 f"of {grpo.num_generations}; make it a multiple (for example micro_batch_size: {grpo.num_generations})"]
     return []

@@ -11,18 +11,20 @@ from pydantic import Field, field_validator, model_validator
 
 from .base import _Strict
 from .data import DataConfig
-from .methods import GptqConfig, GrpoConfig, PreferenceConfig, QatConfig, RewardConfig, grpo_batch_problems
+from .methods import (GptqConfig, GrpoConfig, PreferenceConfig, QatConfig, RewardConfig, RlooConfig,
+                      grpo_batch_problems)
 from .model import AdapterConfig, ModelConfig, residual_reference_problem
 from .training import DistributedConfig, EvalConfig, LoggingConfig, MemoryConfig, TrainingConfig
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "rocm", "mlx")
+ONLINE = ("grpo", "rloo")        # the methods on GRPO's rollout machinery, each with a section of its name
 
 
 class RunConfig(_Strict):
     model: ModelConfig
     backend: Literal[BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
     devices: list[int] | None = Field(None, description="GPU indices (after *_VISIBLE_DEVICES); default: the first usable")
-    method: Literal["sft", "preference", "rm", "prm", "grpo", "gptq", "qat"] = "sft"
+    method: Literal["sft", "preference", "rm", "prm", "grpo", "rloo", "gptq", "qat"] = "sft"
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     data: DataConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
@@ -37,6 +39,7 @@ class RunConfig(_Strict):
     preference: PreferenceConfig | None = Field(None, description="method: preference only")
     reward: RewardConfig | None = Field(None, description="method: rm and prm only")
     grpo: GrpoConfig | None = Field(None, description="method: grpo only (reward_funcs is required there)")
+    rloo: RlooConfig | None = Field(None, description="method: rloo only (reward_funcs is required there)")
     gptq: GptqConfig | None = Field(None, description="method: gptq only")
     qat: QatConfig | None = Field(None, description="method: qat only")
 
@@ -63,26 +66,29 @@ class RunConfig(_Strict):
                 self.reward = RewardConfig()
         elif self.reward is not None:
             problems.append(f"reward: this section applies to method: rm or prm (this config has method: {self.method})")
-        if self.method == "grpo":
-            if self.grpo is None:
-                problems.append("grpo: method grpo needs a grpo section with at least grpo.reward_funcs "
-                                "(for example: grpo: {reward_funcs: [exact_match]})")
+        for name in ONLINE:
+            section = getattr(self, name)
+            if self.method != name:
+                if section is not None:
+                    problems.append(f"{name}: this section applies to method: {name} (this config has method: "
+                                    f"{self.method})")
+            elif section is None:
+                problems.append(f"{name}: method {name} needs a {name} section with at least {name}.reward_funcs "
+                                f"(for example: {name}: {{reward_funcs: [exact_match]}})")
             else:
-                problems += grpo_batch_problems(self.grpo, self.training)
-                if self.grpo.beta > 0 and self.adapter.type == "none":
+                problems += grpo_batch_problems(section, self.training, name)
+                if section.beta > 0 and self.adapter.type == "none":
                     # The reference is the base with the adapter switched off; full fine-tuning
                     # has no such switch, and a frozen copy would double the model's memory.
-                    problems.append("grpo.beta: a KL to the reference needs an adapter (the reference is the base "
-                                    "with the adapter off); with adapter.type none set grpo.beta: 0")
-        elif self.grpo is not None:
-            problems.append(f"grpo: this section applies to method: grpo (this config has method: {self.method})")
+                    problems.append(f"{name}.beta: a KL to the reference needs an adapter (the reference is the "
+                                    f"base with the adapter off); with adapter.type none set {name}.beta: 0")
         for name, section in (("gptq", GptqConfig), ("qat", QatConfig)):
             if self.method == name:
                 if getattr(self, name) is None:
                     setattr(self, name, section())
             elif getattr(self, name) is not None:
                 problems.append(f"{name}: this section applies to method: {name} (this config has method: {self.method})")
-        if self.method in ("preference", "rm", "prm", "grpo") and self.data.packing:
+        if self.method in ("preference", "rm", "prm", *ONLINE) and self.data.packing:
             problems.append(f"data.packing: packing is for sft; method {self.method} batches whole sequences "
                             "(set it to false)")
         pref = self.preference if self.method == "preference" else None
@@ -94,8 +100,9 @@ class RunConfig(_Strict):
         if pref is not None and pref.needs_reference and (ref := residual_reference_problem(
                 self.adapter, f"preference.type {pref.type}", "use simpo or orpo (no reference), or adapter.init default")):
             problems.append(ref)
-        if self.method == "grpo" and self.grpo is not None and self.grpo.beta > 0 and (ref := residual_reference_problem(
-                self.adapter, "grpo.beta", "set grpo.beta: 0 or adapter.init default")):
+        online = self.rollout
+        if online is not None and online.beta > 0 and (ref := residual_reference_problem(
+                self.adapter, f"{self.method}.beta", f"set {self.method}.beta: 0 or adapter.init default")):
             problems.append(ref)
         if self.training.precision == "fp8" and (fp8 := fp8_problem(self.adapter.type, self.memory.stream_layers)):
             problems.append(fp8)
@@ -106,8 +113,15 @@ class RunConfig(_Strict):
             raise ValueError("; ".join(problems))
         return self
 
+    @property
+    def rollout(self) -> RlooConfig | GrpoConfig | None:
+        """The online method's section (grpo or rloo: sampling, rewards, tools), None for the others."""
+        return getattr(self, self.method) if self.method in ONLINE else None
+
     def data_method(self) -> str:
         """The name the data layer checks formats against (data.METHOD_FORMATS): dpo, kto, rm, ..."""
+        if self.method in ONLINE:
+            return "grpo"             # every online method samples from GRPO's rl prompts
         if self.method == "preference":
             return self.preference.type
         if self.method in ("gptq", "qat"):

@@ -198,11 +198,11 @@ def _files_in_use(cfg) -> list[tuple[str, Path]]:
 
 
 def _reward_specs(cfg) -> list:
-    if getattr(cfg, "grpo", None) is None:
+    if getattr(cfg, "rollout", None) is None:
         return []
     from ..rewards import parse_reward_specs
 
-    return parse_reward_specs(cfg.grpo.reward_funcs, cfg.grpo.reward_weights)
+    return parse_reward_specs(cfg.rollout.reward_funcs, cfg.rollout.reward_weights)
 
 
 def _real(path: Path) -> Path:

@@ -28,7 +28,7 @@ from .tools import ToolError, load_tools
 
 def load_agent(cfg):
     """(tools, environments or None) of the config's grpo section; one message for every problem."""
-    g = cfg.grpo
+    g = cfg.rollout
     tools = load_tools(g.tools, cfg.source_dir)
     environments = Environments(g.environment, cfg.source_dir) if g.environment else None
     if environments is not None:
@@ -82,7 +82,7 @@ def build_agent(cfg, tokenizer, loaded, report, tools: list, environments, stop_
     """The run's Agent, or None when it has neither tools nor an environment."""
     if not tools and environments is None:
         return None
-    g = cfg.grpo
+    g = cfg.rollout
     fmt = tool_format(report)
     loop = ToolLoop(tokenizer, fmt, g.max_completion_length, context, g.max_tool_calling_iterations,
                     g.tool_timeout, stop_ids)

@@ -27,6 +27,9 @@ or bonuses, a reference other than the starting weights, FSDP.
 The four pieces, each readable on its own: sampling through the backend
 (rollout.py), scoring (rewards/), advantages in numpy and the loss through
 ArrayOps (grpo_loss.py). This file is setup, loop and save.
+
+`method: rloo` runs this same recipe with RLOO's advantages and loss (rloo.py) in
+place of GRPO's, and its own config section (`rloo:`).
 """
 
 from __future__ import annotations
@@ -49,13 +52,14 @@ from .grpo_loss import GrpoObjective
 from .loop import save_trained, train_loop
 from .results import RunResult
 from .reward_models import reward_model_function
+from .rloo import RlooObjective
 from .rollout import COMPLETIONS, RolloutBatcher, score_completions
 from .session import start_run
 
 
 def run_grpo(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> RunResult:
     started = time.perf_counter()
-    g = cfg.grpo
+    g = cfg.rollout                       # grpo's section, or rloo's
     # -- setup: data and reward-function problems surface before the policy loads or anything is written
     loaded = load_data(cfg, "grpo")
     specs = parse_reward_specs(g.reward_funcs, g.reward_weights) if g.reward_funcs else []
@@ -72,7 +76,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) ->
                         stop_token_ids(handle.tokenizer), context_length(handle))
     run.take_output_dir()                                      # model and data loaded: now the old run goes
     rep = data.report
-    echo(f"grpo ({g.loss_type}, {g.num_generations} completions a prompt, beta {g.beta}): {rep.train_examples} "
+    echo(f"{method_line(cfg)}, {g.num_generations} completions a prompt, beta {g.beta}): {rep.train_examples} "
          f"prompts / {rep.val_examples} held-out; {rep.truncated} prompts truncated to data.sequence_len; "
          f"rewards: {', '.join(f'{f.name} x{f.spec.weight:g}' for f in funcs)}")
     if agent is not None:
@@ -93,7 +97,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) ->
     # -- loop (loop.train_loop): the rollouts sample each step's batches, the objective is GRPO's loss
     evaluate = (lambda: measure().for_loop()) if measure is not None else None
     stopped_early = train_loop(cfg, run.state, steps, trainer, rollouts, run.checkpoints(trainer, rollouts),
-                               run.callbacks(), evaluate=evaluate, objective=GrpoObjective(backend, g), echo=echo)
+                               run.callbacks(), evaluate=evaluate, objective=objective(cfg, backend), echo=echo)
 
     # -- save, then evaluate what was saved
     save_trained(cfg, backend, handle, out)
@@ -102,6 +106,16 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) ->
     rewards = step_rewards(out) if current_ranks().is_main else []      # rank 0 wrote metrics.jsonl
     return run.finish(result, rep.train_examples, rep.val_examples,
                       first_reward=rewards[0] if rewards else None, final_reward=rewards[-1] if rewards else None)
+
+
+def method_line(cfg) -> str:
+    """How the run's first line names the objective: `grpo (dapo`, `rloo (leave-one-out`."""
+    return f"grpo ({cfg.grpo.loss_type}" if cfg.method == "grpo" else "rloo (leave-one-out"
+
+
+def objective(cfg, backend):
+    """The loss the loop trains on: GRPO's or RLOO's, over the same rollouts."""
+    return GrpoObjective(backend, cfg.grpo) if cfg.method == "grpo" else RlooObjective(backend, cfg.rloo)
 
 
 def data_columns(loaded) -> set[str]:
@@ -113,7 +127,7 @@ def data_columns(loaded) -> set[str]:
 def held_out_reward(cfg, backend, handle, prompts: list, funcs: list, agent=None):
     """The weighted reward of greedy completions of the held-out prompts (higher is better; the
     loop's early stopping watches its negative); with tools, greedy multi-turn rollouts."""
-    g, tok = cfg.grpo, handle.tokenizer
+    g, tok = cfg.rollout, handle.tokenizer
     chosen = prompts[: cfg.eval.max_samples or None]
     stop = stop_token_ids(tok)
     weights = np.array([f.spec.weight for f in funcs])

@@ -55,10 +55,7 @@ def group_advantages(rewards_per_func: np.ndarray, weights: np.ndarray, num_gene
     """Advantages of n completions (consecutive groups of num_generations), TRL's sum_then_normalize.
 
     `rewards_per_func` is [n, functions] with NaN where a function returned None."""
-    r = np.asarray(rewards_per_func, dtype=np.float64)
-    unscorable = np.isnan(r).all(axis=1)
-    rewards = np.nansum(r * np.asarray(weights, dtype=np.float64)[None, :], axis=1)
-    rewards[unscorable] = np.nan
+    rewards, _ = weighted_rewards(rewards_per_func, weights)
     grouped = rewards.reshape(-1, num_generations)
     with warnings.catch_warnings():           # all-NaN groups and groups of one give NaN, as in TRL
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -72,6 +69,16 @@ def group_advantages(rewards_per_func: np.ndarray, weights: np.ndarray, num_gene
             advantages = advantages / (std + STD_EPS)
     std_is_zero = np.isclose(std, 0.0)
     return Advantages(np.nan_to_num(advantages, nan=0.0).astype(np.float32), rewards, std_is_zero)
+
+
+def weighted_rewards(rewards_per_func: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the weighted sum per completion [n] with NaN counted as 0, NaN where every function declined;
+    that unscorable mask [n])."""
+    r = np.asarray(rewards_per_func, dtype=np.float64)
+    unscorable = np.isnan(r).all(axis=1)
+    rewards = np.nansum(r * np.asarray(weights, dtype=np.float64)[None, :], axis=1)
+    rewards[unscorable] = np.nan
+    return rewards, unscorable
 
 
 def nanstd(x: np.ndarray) -> float:
@@ -227,15 +234,20 @@ class GrpoObjective:
         elif c.loss_type == "vespo":
             out["vespo/phi_seq_mean"] = float(phi.mean())
         elif c.loss_type != "sapo":
-            low = (ratio < 1.0 - c.epsilon) & (a < 0)
-            high = (ratio > 1.0 + c.epsilon_upper) & (a > 0)
-            out.update({"clip_ratio/low_mean": float(low.mean()), "clip_ratio/high_mean": float(high.mean()),
-                        "clip_ratio/region_mean": float((low | high).mean())})
+            out.update(clip_metrics(ratio, a, c))
         if entropy is not None and len(entropy):
             out["entropy"] = float(np.mean(entropy))
         if kl is not None:
             out["kl"] = float(self.ops.to_numpy(kl).mean())
         return out
+
+
+def clip_metrics(ratio: np.ndarray, advantages: np.ndarray, cfg) -> dict[str, float]:
+    """TRL's clip_ratio/{low,high,region}_mean: the shares of ratios clipped where clipping takes effect."""
+    low = (ratio < 1.0 - cfg.epsilon) & (advantages < 0)
+    high = (ratio > 1.0 + cfg.epsilon_upper) & (advantages > 0)
+    return {"clip_ratio/low_mean": float(low.mean()), "clip_ratio/high_mean": float(high.mean()),
+            "clip_ratio/region_mean": float((low | high).mean())}
 
 
 def per_completion(values: np.ndarray, rows: np.ndarray, n: int, fill: float) -> np.ndarray:

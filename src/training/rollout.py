@@ -13,7 +13,8 @@ prompt order), and:
 2. scores them with the reward functions (rewards/), from the sampled ids
    decoded once for reading, never encoded again: the ids trained are the
    ids sampled;
-3. turns rewards into advantages (grpo_loss.group_advantages);
+3. turns rewards into advantages (grpo_loss.group_advantages; for RLOO
+   rloo.rloo_advantages, the reward less beta x the KL to the reference);
 4. shuffles the completions (as TRL) and cuts them into steps_per_generation
    micro-batches, adding old log-probs when the update is off-policy and the
    reference's when grpo.beta > 0.
@@ -54,6 +55,7 @@ from ..errors import MudpuppyError
 from ..evaluation.heldout import stop_token_ids
 from ..rewards import score
 from .grpo_loss import RolloutBatch, group_advantages, nanstd
+from .rloo import rloo_advantages
 
 COMPLETIONS = "completions.jsonl"
 SAMPLES_SHOWN = 4       # completions of each generation the --tui dashboard shows: one per prompt
@@ -62,7 +64,8 @@ SAMPLES_SHOWN = 4       # completions of each generation the --tui dashboard sho
 class RolloutBatcher:
     def __init__(self, cfg, backend, handle, prompts: list, reward_funcs: list, out: Path, agent=None):
         """`agent` (multiturn.Agent): tools and environments for multi-turn rollouts; None: one turn."""
-        g, t = cfg.grpo, cfg.training
+        g, t = cfg.rollout, cfg.training      # grpo's section, or rloo's
+        self.rloo = cfg.method == "rloo"     # RLOO's advantages, with the KL in the reward (rloo.py)
         self.cfg, self.g, self.backend, self.handle, self.funcs = cfg, g, backend, handle, reward_funcs
         self.agent = agent
         self.ranks = current_ranks()
@@ -73,7 +76,7 @@ class RolloutBatcher:
         if len(prompts) < self.per_generation:
             procs = f" x {self.ranks.world} processes" if self.ranks.distributed else ""
             raise MudpuppyError(
-                f"grpo: {len(prompts)} training prompts, but a generation batch takes {self.per_generation} "
+                f"{cfg.method}: {len(prompts)} training prompts, but a generation batch takes {self.per_generation} "
                 f"(micro_batch_size {t.micro_batch_size} x steps_per_generation {self.spg} / num_generations "
                 f"{g.num_generations}{procs}); add prompts or lower micro_batch_size")
         self.prompts = Batcher(prompts, self.per_generation, handle.tokenizer.pad_token_id, t.seed,
@@ -127,8 +130,8 @@ class RolloutBatcher:
         local, sampled = self.roll_out(examples[first : first + self.per_rank], index, first)
         # Every rank's rollouts in the generation batch's order: what one process would hold.
         gen = Rollouts.join(ranks.gather(local)) if ranks.distributed else local
-        adv = group_advantages(gen.rewards, self.weights, g.num_generations, g.scale_rewards)
-        truncated = np.array([not ids or ids[-1] not in self.stop_ids for ids in gen.completions])
+        adv = self.advantages(gen)
+        truncated = self.truncated(gen.completions)
         trained = ~truncated if g.mask_truncated_completions else np.ones(len(gen.completions), dtype=bool)
         step = self.served // self.cfg.training.gradient_accumulation_steps + 1
         if ranks.is_main:
@@ -148,8 +151,39 @@ class RolloutBatcher:
         self.pending = self.metrics(gen.rewards, adv, counted, truncated, sampled, time.perf_counter() - started)
         if gen.calls is not None:
             self.pending.update(tool_metrics(gen.calls, gen.failures))
+        if gen.kl is not None:                       # TRL's RLOO: the token mean of (old logp - ref logp)
+            self.pending["kl"] = float(gen.kl.sum() / max(self.loss_tokens, 1))
         self.pending_samples = self.samples(gen.prompts, gen.texts, gen.rewards)
         return micro
+
+    def advantages(self, gen: "Rollouts"):
+        g = self.g
+        if self.rloo:
+            return rloo_advantages(gen.rewards, self.weights, g.num_generations, g.normalize_advantages,
+                                   g.reward_clip_range, gen.kl, g.beta)
+        return group_advantages(gen.rewards, self.weights, g.num_generations, g.scale_rewards)
+
+    def truncated(self, completions: list[list[int]]) -> np.ndarray:
+        """[n] bool: the completion ended without a stop token (cut at max_completion_length)."""
+        return np.array([not ids or ids[-1] not in self.stop_ids for ids in completions])
+
+    def sequence_kl(self, prompt_ids, completions, masks) -> np.ndarray:
+        """RLOO's KL per completion [n]: the sum over its loss tokens of (logp - ref logp), before any
+        update (TRL's old and reference log-probs), in micro_batch_size forwards."""
+        g, size, pad = self.g, self.cfg.training.micro_batch_size, self.handle.tokenizer.pad_token_id
+        trained = ~self.truncated(completions) if g.mask_truncated_completions else np.ones(len(completions), bool)
+        out = []
+        for s in range(0, len(completions), size):
+            part = slice(s, s + size)
+            batch = completion_batch(prompt_ids[part], completions[part], trained[part].tolist(), pad,
+                                     None if masks is None else masks[part])
+            logps, _ = self.backend.token_logprobs(self.handle, batch, grad=False, temperature=g.temperature)
+            ref, _ = self.backend.token_logprobs(self.handle, batch, grad=False, temperature=g.temperature,
+                                                 reference=True)
+            diff = self.backend.ops.to_numpy(logps).astype(np.float64) - self.backend.ops.to_numpy(ref)
+            rows = np.nonzero(batch.labels != IGNORE_INDEX)[0]
+            out.append(np.bincount(rows, weights=diff, minlength=batch.input_ids.shape[0]))
+        return np.concatenate(out)
 
     def roll_out(self, examples: list, index: int, first_group: int) -> tuple["Rollouts", float]:
         """This rank's rollouts of `examples` (the groups first_group.. of generation `index`), scored;
@@ -180,8 +214,9 @@ class RolloutBatcher:
         sampled = time.perf_counter() - started
         texts = tok.batch_decode(completions, skip_special_tokens=True)
         rewards = score_completions(self.funcs, fields, texts, completions, messages, environments)
+        kl = self.sequence_kl(prompt_ids, completions, masks) if self.rloo and g.beta != 0.0 else None
         return Rollouts(prompt_ids, completions, masks, rewards, [f["prompt"] for f in fields], texts, messages,
-                        calls, failures), sampled
+                        calls, failures, kl), sampled
 
     def rollout_batch(self, prompts, completions, advantages, trained: list[bool], loss_tokens: int,
                       masks: list[list[bool]] | None = None) -> RolloutBatch:
@@ -193,7 +228,7 @@ class RolloutBatcher:
         if self.off_policy:
             logps, _ = self.backend.token_logprobs(self.handle, batch, grad=False, temperature=g.temperature)
             micro.old_logps = self.backend.ops.to_numpy(logps).astype(np.float32)
-        if g.beta != 0.0:
+        if g.beta != 0.0 and not self.rloo:         # GRPO's KL is in the loss; RLOO's is in the reward
             ref, _ = self.backend.token_logprobs(self.handle, batch, grad=False, temperature=g.temperature,
                                                  reference=True)
             micro.ref_logps = self.backend.ops.to_numpy(ref).astype(np.float32)
@@ -299,6 +334,7 @@ class Rollouts:
     messages: list | None               # with tools: the exchange as messages
     calls: list[int] | None             # with tools: calls made, and how many of them failed
     failures: list[int] | None
+    kl: np.ndarray | None = None        # rloo with beta > 0: each completion's summed (logp - ref logp)
 
     @property
     def counted(self) -> list[int]:
@@ -313,7 +349,8 @@ class Rollouts:
 
         return Rollouts(cat("prompt_ids"), cat("completions"), cat("masks"),
                         np.concatenate([p.rewards for p in parts]), cat("prompts"), cat("texts"), cat("messages"),
-                        cat("calls"), cat("failures"))
+                        cat("calls"), cat("failures"),
+                        None if parts[0].kl is None else np.concatenate([p.kl for p in parts]))
 
 
 def tool_metrics(calls: list[int], failures: list[int]) -> dict[str, float]:
