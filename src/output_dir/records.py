@@ -69,7 +69,7 @@ KINDS = (EXPORT, EVAL)                                # those a folder inside a 
 def earlier_output(folder: Path, kind: Kind) -> list[str] | None:
     """The names an earlier output of `kind` holds in `folder` (those still there), or None when the folder
     holds none: what its record lists, or for a record from before the contract, what `kind.adopt` allows."""
-    record = _read_json(Path(folder) / kind.record) if kind.record else None
+    record = read_json(Path(folder) / kind.record) if kind.record else None
     if record is None:
         return None
     if record.get("contract") == CONTRACT and isinstance(record.get("files"), list):
@@ -82,7 +82,7 @@ def stamp(folder: Path, kind: Kind, names, **extra) -> None:
     """`names` written into the record of `kind` in `folder` as what its output wrote (the record made if
     missing: the placeholder that marks a folder while an output moves in)."""
     path = Path(folder) / kind.record
-    record = _read_json(path) or {}
+    record = read_json(path) or {}
     record.update(files=sorted(names), contract=CONTRACT, **extra)
     write_json_atomic(path, record)
 
@@ -129,13 +129,13 @@ def entries(folder: Path) -> list[str]:
         return []
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """A record or marker file's object; None when it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
 
 
 def write_record(folder: Path, kind: Kind, record: dict) -> None:

@@ -19,7 +19,6 @@ claim.py.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from contextlib import contextmanager
@@ -52,11 +51,7 @@ class RunDirInUse(OutputExists):
 
 # --------------------------------------------------------------------------- the marker
 def read_marker(out: Path) -> dict | None:
-    try:
-        marker = json.loads((Path(out) / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
+    return records.read_json(Path(out) / MARKER)
 
 
 def write_marker(out: Path, written=(), foreign=()) -> dict:
@@ -146,10 +141,7 @@ def remove_entries(out: Path, names: list[str]) -> list[str]:
 
 def entries(out: Path) -> list[str]:
     """What `out` holds, sorted, the marker and the lock aside ([] for a directory that does not exist)."""
-    try:
-        return sorted(set(os.listdir(out)) - OWN)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    return [name for name in records.entries(out) if name not in OWN]
 
 
 def looks_like_old_run(out: Path) -> bool:
