@@ -29,8 +29,12 @@ RUN_CONFIG = "config.yaml"          # what makes a directory a run (evaluation.t
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="merged and mlx: weight precision (default bf16).")
 @click.option("--quant", default=None,
-              help="gguf, ollama: f32, f16, bf16, q8_0, q4_0, or a K-quant through an installed llama-quantize "
-                   "(default f16); mlx: q4 or q8 (default: none).")
+              help="gguf, ollama: q4_k_m, q5_k_m, q6_k, q4_k_s, q5_k_s, q3_k_s/m/l, q2_k (K-quants as "
+                   "llama-quantize writes them, no llama.cpp needed), q8_0, q4_0, bf16, f16, f32 "
+                   "(default: q4_k_m for ollama, f16 for gguf); mlx: q4 or q8 (default: none).")
+@click.option("--imatrix", default=None, type=click.Path(dir_okay=False),
+              help="gguf, ollama K-quants: an importance matrix from llama-imatrix (its GGUF or legacy .dat "
+                   "file); each block's search weighs the columns as llama-quantize --imatrix does.")
 @click.option("--base-model", default=None, help="Base model for an adapter directory that does not name one.")
 @click.option("--chat-template", default=None,
               help="For adapters and models without a run config: a built-in template name or Jinja "
@@ -40,7 +44,8 @@ RUN_CONFIG = "config.yaml"          # what makes a directory a run (evaluation.t
               help="Let Python files that came with the model run (auto_map); never taken from a run's config.yaml.")
 @debug_option
 @handle_errors
-def export(source, fmt, out_dir, dtype, quant, base_model, chat_template, overwrite, trust_remote_code, debug):
+def export(source, fmt, out_dir, dtype, quant, imatrix, base_model, chat_template, overwrite, trust_remote_code,
+           debug):
     """Export a run, adapter or model as merged safetensors, GGUF, Ollama or MLX (docs/export.md).
 
     SOURCE is a run directory, an adapter directory, a model directory, a .gguf file or a model alias.
@@ -49,7 +54,7 @@ def export(source, fmt, out_dir, dtype, quant, base_model, chat_template, overwr
 
     out_dir = out_dir or str(default_export_dir(source, fmt, dtype, quant))
     result = export_model(ExportRequest(source, fmt, out_dir, dtype, quant, overwrite, base_model, chat_template,
-                                        trust_remote_code=trust_remote_code), echo=click.echo)
+                                        trust_remote_code=trust_remote_code, imatrix=imatrix), echo=click.echo)
     click.echo(f"exported {fmt} to {result.out}: {', '.join(result.files)}")
     if fmt == "ollama":
         click.echo(f"  ollama create NAME -f {result.out / 'Modelfile'}")

@@ -58,12 +58,6 @@ def check_quant(quant: str) -> str:
     raise MudpuppyError(f"--quant {quant}: GGUF quantizations are {', '.join(K_QUANTS + QUANTS)}")
 
 
-def check_k_quant_tool(quant: str) -> None:
-    """Nothing: K-quants are written here now, with no llama-quantize (kept for export/pipeline.py's
-    preflight, which still calls it)."""
-    check_quant(quant)
-
-
 # --------------------------------------------------------------------------- architecture
 
 def family_of(config: dict, where: str) -> Family:

@@ -1,7 +1,7 @@
 """`mudpuppy export`: one source, one format, one output directory.
 
 Every check that needs no weights runs first (options, the output directory, the source, the
-architecture and tokenizer for GGUF, the chat layout for Ollama, llama-quantize for K-quants,
+architecture and tokenizer for GGUF, the chat layout for Ollama, an --imatrix file,
 mlx-lm for MLX), so a mistake costs seconds, not a merge. Every format gets a model card (card.py:
 the base by its Hub id, where its weights came from, how to load the export).
 
@@ -29,6 +29,7 @@ from .source import ExportSource, resolve_source
 
 FORMATS = ("merged", "gguf", "ollama", "mlx")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DEFAULT_QUANT = {"gguf": "f16", "ollama": "q4_k_m"}
 
 
 @dataclass
@@ -37,12 +38,13 @@ class ExportRequest:
     format: str
     out: str
     dtype: str | None = None          # merged, mlx: bf16 | fp16 | fp32 (default bf16)
-    quant: str | None = None          # gguf, ollama: f16 ... (default f16); mlx: q4 | q8 (default none)
+    quant: str | None = None          # gguf: f16 ... (default f16); ollama: (default q4_k_m); mlx: q4 | q8
     overwrite: bool = False
     base_model: str | None = None     # for an adapter directory that does not name its base
     chat_template: str | None = None  # for adapters and models without a run config
     backend: str = "cpu"              # the torch backend that merges
     trust_remote_code: bool = False   # --trust-remote-code: model code may run (never from a run's config.yaml)
+    imatrix: str | None = None        # gguf, ollama K-quants: an importance-matrix file (llama-imatrix's forms)
 
 
 @dataclass
@@ -61,7 +63,8 @@ def check_options(fmt: str, dtype: str | None, quant: str | None) -> tuple[str |
         if dtype is not None:
             raise MudpuppyError(f"--dtype is for --format merged and mlx; a {fmt} export's precision is its "
                                 f"--quant ({', '.join(gguf_format.QUANTS)})")
-        return None, gguf_format.check_quant(quant or "f16")
+        # Ollama's library and most GGUF repositories ship Q4_K_M: what a user pulls is what they get here.
+        return None, gguf_format.check_quant(quant or DEFAULT_QUANT[fmt])
     if fmt == "merged":
         if quant is not None:
             raise MudpuppyError("--quant is for --format gguf, ollama and mlx; a merged export is plain "
@@ -81,18 +84,36 @@ def export_model(req: ExportRequest, echo=print) -> ExportResult:
         echo(f"source: {src.describe()}")
         tokenizer = src.load_tokenizer()
         layout = preflight(src, req.format, quant, tokenizer)
-        record = write_export(req, src, tokenizer, layout, dtype, quant, out, echo)
+        weights = importance(req.imatrix, req.format, quant, echo)
+        record = write_export(req, src, tokenizer, layout, dtype, quant, out, echo, weights)
     record["files"] = out.names               # stamped into export.json by the publish: what this export wrote
     return ExportResult(out.shown, out.names, record)
 
 
-def write_export(req: ExportRequest, src: ExportSource, tokenizer, layout, dtype, quant, out, echo) -> dict:
+def importance(path: str | None, fmt: str, quant: str | None, echo) -> dict | None:
+    """The --imatrix file's per-column weights (read before any merge, so a bad file costs seconds)."""
+    if path is None:
+        return None
+    if fmt not in ("gguf", "ollama") or quant not in gguf_format.K_QUANTS:
+        raise MudpuppyError(f"--imatrix weights GGUF K-quants ({', '.join(gguf_format.K_QUANTS)}); "
+                            f"--format {fmt}{' --quant ' + quant if quant else ''} does not use one")
+    from .imatrix import read_imatrix
+
+    matrix = read_imatrix(Path(path).expanduser())
+    echo(f"importance matrix: {path} ({len(matrix.weights)} tensors"
+         + (f", {matrix.chunk_count} chunks" if matrix.chunk_count else "") + ")")
+    return matrix.weights
+
+
+def write_export(req: ExportRequest, src: ExportSource, tokenizer, layout, dtype, quant, out, echo,
+                 imatrix: dict | None = None) -> dict:
     """The format's files, its card and export.json, in the staging folder `out.dir` (output_dir.Writing);
     returns the record."""
     started = time.monotonic()
     staging, work = out.dir, out.scratch()
     src.dequantize_into(work, echo)
-    record = write_format(req.format, src, tokenizer, layout, dtype, quant, staging, work, req.backend, echo)
+    record = write_format(req.format, src, tokenizer, layout, dtype, quant, staging, work, req.backend, echo,
+                          imatrix)
     record.update(source=req.source, source_kind=src.kind, described=src.describe(), format=req.format,
                   base=src.base, finetune=src.finetune, seconds=round(time.monotonic() - started, 1))
     # The card last: it states what the format wrote (mlx_lm.convert's own, front matter only, is replaced).
@@ -118,7 +139,6 @@ def preflight(src: ExportSource, fmt: str, quant: str | None, tokenizer) -> Turn
         spec = tokenizer_spec(tokenizer)
         if tokenizer_kind(spec) == "gpt2":
             byte_level_pre(spec)
-        gguf_format.check_k_quant_tool(quant)
         if fmt == "ollama":
             return infer_layout(tokenizer, src.given)
         try:
@@ -131,7 +151,7 @@ def preflight(src: ExportSource, fmt: str, quant: str | None, tokenizer) -> Turn
 
 
 def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, staging: Path, work: Path,
-                 backend_name: str, echo) -> dict:
+                 backend_name: str, echo, imatrix: dict | None = None) -> dict:
     from ..backends import create_backend
 
     if fmt == "merged":
@@ -158,7 +178,7 @@ def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, s
     general_name = gguf_format.model_name(base, src.finetune, src.name)
     record = {"gguf": gguf_format.write_gguf(model_dir, tokenizer, tokenizer.chat_template, quant,
                                              staging / name, general_name, end_of_turn_id(tokenizer, layout),
-                                             base.get("hub_id") if fine_tuned else None)}
+                                             base.get("hub_id") if fine_tuned else None, imatrix)}
     for note in record["gguf"]["notes"]:
         echo(f"note: {note}")
     if fmt == "ollama":

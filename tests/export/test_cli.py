@@ -106,3 +106,45 @@ def mudpuppy_with_path(path: str, *args):
     from mudpuppy.cli import main
 
     return CliRunner(env={"PATH": path}).invoke(main, [str(a) for a in args])
+
+
+def test_ollama_defaults_to_q4_k_m_and_imatrix_weights_the_blocks(tiny_model_dir, tmp_path):
+    """Ollama's library ships Q4_K_M, so an export without --quant writes it; --imatrix FILE (llama-imatrix's
+    GGUF form) reaches the block search: skewed column weights change the quantized bytes, and the record
+    says how many tensors used them."""
+    import gguf
+
+    from mudpuppy.export.imatrix import Stats, write_imatrix
+
+    plain = tmp_path / "plain"
+    done = mudpuppy("export", tiny_model_dir, "--format", "ollama", "--out", plain, "--chat-template", "chatml")
+    assert done.exit_code == 0, done.output
+    assert (plain / "model-q4_k_m.gguf").is_file() and "model-q4_k_m.gguf" in (plain / "Modelfile").read_text()
+    reader = gguf.GGUFReader(str(plain / "model-q4_k_m.gguf"))
+    quantized = {t.name: t for t in reader.tensors if t.tensor_type.name not in ("F32", "F16")}
+    assert quantized
+    rng = np.random.default_rng(0)
+    stats = {name: Stats(rng.uniform(0.0, 50.0, size=(1, int(t.shape[0]))) ** 3, np.asarray([64]))
+             for name, t in quantized.items()}
+    matrix = tmp_path / "imatrix.gguf"
+    write_imatrix(matrix, stats, ["calibration.jsonl"], chunk_count=4, chunk_size=16)
+    weighted = tmp_path / "weighted"
+    done = mudpuppy("export", tiny_model_dir, "--format", "gguf", "--quant", "q4_k_m", "--imatrix", matrix,
+                    "--out", weighted)
+    assert done.exit_code == 0, done.output
+    assert f"importance matrix: {matrix} ({len(stats)} tensors, 4 chunks)" in done.output
+    record = json.loads((weighted / "export.json").read_text())["gguf"]
+    assert record["imatrix_tensors"] == len(quantized)
+    after = {t.name: bytes(t.data) for t in gguf.GGUFReader(str(weighted / "model-q4_k_m.gguf")).tensors}
+    assert any(after[name] != bytes(t.data) for name, t in quantized.items())
+
+
+def test_a_bad_imatrix_is_refused_before_any_weights(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    one_error(mudpuppy("export", tiny_model_dir, "--format", "gguf", "--out", out, "--imatrix", tmp_path / "no.dat",
+                       "--quant", "q4_k_m"), "--imatrix", "no such file")
+    one_error(mudpuppy("export", tiny_model_dir, "--format", "gguf", "--out", out, "--imatrix", tmp_path / "no.dat"),
+              "--imatrix weights GGUF K-quants", "--quant f16")
+    one_error(mudpuppy("export", tiny_model_dir, "--format", "merged", "--out", out, "--imatrix", tmp_path / "x"),
+              "--imatrix")
+    assert not out.exists()
