@@ -1,5 +1,5 @@
 """What every runtime's continuous-batching `Decoder` (protocol.py) shares: slots, the step loop,
-the batch-size counts and the rows of a batch that sequences join and leave. No runtime here: backends/torch/batch_decode.py and backends/mlx/batch_decode.py
+the batch-size counts and the rows of a batch that sequences join and leave. No runtime here: backends/torch/generation/batch_decode.py and backends/mlx/batch_decode.py
 supply how a prompt is prefilled, how the sequences' last tokens go through the model, and how one
 token is drawn.
 """

@@ -2,7 +2,7 @@
 
     engine         a loaded model: messages rendered as training rendered them, text streamed out
     text           token ids to text as soon as it is final (whole characters, stop strings held back)
-    streaming      token-by-token generation through the backend's `stream` (backends/*/streaming.py:
+    streaming      token-by-token generation through the backend's `stream` (backends/{torch/generation,mlx}/streaming.py:
                    transformers' generate with a streamer on torch, the backend's own loops on MLX)
     chat           the REPL and its slash commands
     server         the OpenAI-compatible server (standard library only): HTTP, shutdown

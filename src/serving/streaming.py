@@ -7,7 +7,7 @@ client gone). The loops are the backend's own calls with a hook added, so:
 - greedy (`sampling` None) yields what `BackendProtocol.generate` returns, then the stop token;
 - sampled yields what `BackendProtocol.sample` returns for the same prompt and seed.
 
-The runtime code is each backend's `stream` (backends/torch/streaming.py, backends/mlx/streaming.py).
+The runtime code is each backend's `stream` (backends/torch/generation/streaming.py, backends/mlx/streaming.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from mudpuppy import create_backend
 from mudpuppy.backends import factory
 from mudpuppy.backends.torch import backend as backend_mod
-from mudpuppy.backends.torch.attention import packed_kv_heads_at_decode
+from mudpuppy.backends.torch.generation.decode_attention import packed_kv_heads_at_decode
 from mudpuppy.backends.torch.frozen import StoredLinear, weight_reads_without_values
 from mudpuppy.config import ModelConfig
 

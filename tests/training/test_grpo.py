@@ -85,7 +85,7 @@ def test_repeated_prompts_are_prefilled_once_and_sample_what_a_full_prefill_samp
     """A GRPO group repeats its prompt num_generations times: the prompt is run once per distinct prompt
     (its cache repeated to the group's rows) and the draws are those of every row prefilled on its own,
     for per-row seeds and one seed, with left padding (prompts of different lengths)."""
-    import mudpuppy.backends.torch.sampling as sampling
+    import mudpuppy.backends.torch.generation.sampling as sampling
 
     prompts = [[5, 6, 7]] * 3 + [[8, 9, 10, 11, 12]] * 3 + [[13, 14]]
     seeds = [1, 1, 1, 2, 2, 2, 3]
@@ -114,7 +114,7 @@ def test_decoding_on_a_cpu_packs_grouped_query_heads_instead_of_sdpa_enable_gqa(
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    import mudpuppy.backends.torch.sampling as sampling
+    import mudpuppy.backends.torch.generation.sampling as sampling
 
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -132,7 +132,7 @@ def test_decoding_on_a_cpu_packs_grouped_query_heads_instead_of_sdpa_enable_gqa(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
-    from mudpuppy.backends.torch.attention import packed_kv_heads_at_decode
+    from mudpuppy.backends.torch.generation.decode_attention import packed_kv_heads_at_decode
 
     cpu = torch.device("cpu")
     with packed_kv_heads_at_decode(cpu):                    # nested holders (tests/backends/test_process_scope.py: threads)

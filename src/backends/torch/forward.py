@@ -140,19 +140,19 @@ class TorchForward:
     @gathered
     def sample(self, handle: TorchModel, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                sampling, seed: int) -> list[list[int]]:
-        from .sampling import sample
+        from .generation.sampling import sample
 
         return sample(self, handle, prompts, max_new_tokens, stop_ids, sampling, seed)
 
     def stream(self, handle: TorchModel, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
                sampling, seed: int, on_token) -> None:
-        from .streaming import stream_ids
+        from .generation.streaming import stream_ids
 
         stream_ids(self, handle, prompt, max_new_tokens, stop_ids, sampling, seed, on_token)
 
     def open_decoder(self, handle: TorchModel):
-        """Continuous batching for `mudpuppy serve` (batch_decode.py)."""
-        from .batch_decode import open_decoder
+        """Continuous batching for `mudpuppy serve` (generation/batch_decode.py)."""
+        from .generation.batch_decode import open_decoder
 
         return open_decoder(self, handle)
 
@@ -196,7 +196,7 @@ class TorchForward:
     def generate(self, handle: TorchModel, prompts: list[list[int]], max_new_tokens: int,
                  stop_ids: list[int]) -> list[list[int]]:
         """Greedy decoding, prompts left-padded into one batch (sampling.greedy)."""
-        from .sampling import greedy
+        from .generation.sampling import greedy
 
         return greedy(self, handle, prompts, max_new_tokens, stop_ids)
 

@@ -32,8 +32,8 @@ import functools
 
 import torch
 
-from .attention import packed_kv_heads_at_decode
-from .handle import unwrap
+from .decode_attention import packed_kv_heads_at_decode
+from ..handle import unwrap
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from .attention import packed_kv_heads_at_decode
+from .decode_attention import packed_kv_heads_at_decode
 from .sampling import fresh_generation_config
 
 

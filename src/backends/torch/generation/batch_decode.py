@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import BatchRows, NotFinite, SlotDecoder
-from .attention import packed_kv_heads_at_decode
-from .handle import unwrap
+from ...decoding import BatchRows, NotFinite, SlotDecoder
+from .decode_attention import packed_kv_heads_at_decode
+from ..handle import unwrap
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Generation on torch: seeded sampling, streaming, and continuous batching for `serve`."""
