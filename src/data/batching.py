@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import MudpuppyError
 from .batch import IGNORE_INDEX, Batch, collate, collate_packed
 from .examples import Example
-from .packing import pack_sequences
+from .packing import pack_rows
 
 __all__ = ["IGNORE_INDEX", "Batch", "Batcher", "collate", "collate_packed", "fixed_batches",
            "group_by_length", "group_by_token_budget"]
@@ -114,19 +114,25 @@ class Batcher:
 
     def epoch_fill(self) -> tuple[int, int, int]:
         """(real tokens, batch slots, batches) of one epoch under this batching, from the lengths alone:
-        what collating every batch would count, without building any (for reports)."""
-        units = self._units
-        lengths = self.lengths[units.flat].astype(np.int64)
-        starts = units.bounds[:-1]
-        sizes = np.diff(units.bounds)
-        sums = np.add.reduceat(lengths, starts) if len(lengths) else np.zeros(0, np.int64)
-        widest = np.maximum.reduceat(lengths, starts) if len(lengths) else np.zeros(0, np.int64)
-        firsts = np.arange(0, len(units), self._per_batch)
-        if self.packing:           # rows of a batch padded to its fullest row
-            slots = np.add.reduceat(np.ones(len(units), np.int64), firsts) * np.maximum.reduceat(sums, firsts)
-        else:                      # examples of a batch padded to its longest
-            slots = np.add.reduceat(sizes, firsts) * np.maximum.reduceat(widest, firsts)
-        return int(lengths.sum()), int(slots.sum()), len(firsts)
+        what collating every batch would count, without building any (for reports). Exact, and walked
+        a block of whole batches at a time so that its arrays do not grow with the dataset."""
+        units, per = self._units, self._per_batch
+        real = slots = 0
+        step = max(1, FILL_BLOCK // per) * per
+        for first in range(0, len(units), step):
+            bounds = units.bounds_of(first, min(first + step, len(units)))
+            lengths = self.lengths[units.flat[bounds[0]:bounds[-1]]]
+            starts = bounds[:-1] - bounds[0]
+            firsts = np.arange(0, len(starts), per)
+            if self.packing:       # rows of a batch padded to its fullest row
+                sums = np.add.reduceat(lengths, starts)
+                slots += int((np.add.reduceat(np.ones(len(starts), np.int64), firsts)
+                              * np.maximum.reduceat(sums, firsts)).sum())
+            else:                  # examples of a batch padded to its longest
+                widest = np.maximum.reduceat(lengths, starts)
+                slots += int((np.add.reduceat(np.diff(bounds), firsts) * np.maximum.reduceat(widest, firsts)).sum())
+            real += int(lengths.sum())
+        return real, slots, self.batches_per_epoch
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
@@ -144,12 +150,16 @@ class Batcher:
         self._order = self._order_for(self.epoch)
 
 
+FILL_BLOCK = 1 << 16     # units per block of epoch_fill's walk
+
+
 class Units:
     """Batching units (an example, a packed row or a whole batch) as lists of example indices, held
-    flat: unit u is flat[bounds[u]:bounds[u + 1]]. Two arrays, not a million Python lists."""
+    flat: unit u is flat[bounds[u]:bounds[u + 1]]. Two arrays, not a million Python lists; units of one
+    size (plain and length-grouped batching) keep no bounds at all, only the size."""
 
-    def __init__(self, flat: np.ndarray, bounds: np.ndarray):
-        self.flat, self.bounds = flat, bounds
+    def __init__(self, flat: np.ndarray, bounds: np.ndarray | None, size: int = 0):
+        self.flat, self.bounds, self.size = flat, bounds, size
 
     @classmethod
     def from_lists(cls, lists: list[list[int]]) -> Units:
@@ -159,12 +169,20 @@ class Units:
     @classmethod
     def consecutive(cls, order: np.ndarray, size: int) -> Units:
         """`order` cut into units of `size` (the last may be shorter)."""
-        return cls(order, np.append(np.arange(0, len(order), size, dtype=np.int64), len(order)))
+        return cls(order, None, size)
 
     def __len__(self) -> int:
-        return len(self.bounds) - 1
+        return -(-len(self.flat) // self.size) if self.bounds is None else len(self.bounds) - 1
+
+    def bounds_of(self, first: int, end: int) -> np.ndarray:
+        """bounds[first:end + 1]: where units first..end-1 start, and where the last one ends."""
+        if self.bounds is not None:
+            return self.bounds[first:end + 1]
+        return np.minimum(np.arange(first, end + 1, dtype=np.int64) * self.size, len(self.flat))
 
     def __getitem__(self, u) -> np.ndarray:
+        if self.bounds is None:
+            return self.flat[u * self.size:(u + 1) * self.size]
         return self.flat[self.bounds[u]:self.bounds[u + 1]]
 
 
@@ -182,11 +200,10 @@ def plan_batches(lengths, micro_batch_size: int, seed: int, *, packing: bool = F
     """(mode, units, units per batch): a unit is an example, a packed row, or a whole batch."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if packing:
-        rows = pack_sequences(lengths.tolist(), sequence_len)
         per_batch = max(1, tokens_per_batch // sequence_len) if tokens_per_batch else micro_batch_size
-        return "packed", Units.from_lists(rows), per_batch
+        return "packed", Units(*pack_rows(lengths, sequence_len)), per_batch
     if tokens_per_batch:
-        return "token_budget", Units.from_lists(group_by_token_budget(lengths.tolist(), tokens_per_batch, seed)), 1
+        return "token_budget", Units(*token_budget_batches(lengths, tokens_per_batch, seed)), 1
     if by_length:
         return "by_length", Units.consecutive(_length_order(lengths, seed), micro_batch_size), 1
     return "plain", Units.consecutive(np.arange(len(lengths), dtype=np.int64), 1), micro_batch_size
@@ -206,21 +223,29 @@ def group_by_length(lengths: list[int], batch_size: int, seed: int) -> list[list
 
 def group_by_token_budget(lengths: list[int], budget: int, seed: int) -> list[list[int]]:
     """Batches of similar length whose padded size (count x longest) is at most `budget`."""
-    too_long = [n for n in lengths if n > budget]
-    if too_long:
+    flat, bounds = token_budget_batches(lengths, budget, seed)
+    return [flat[bounds[b]:bounds[b + 1]].tolist() for b in range(len(bounds) - 1)]
+
+
+def token_budget_batches(lengths, budget: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(flat, bounds) of group_by_token_budget's batches, as two arrays."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    too_long = lengths[lengths > budget]
+    if len(too_long):
         raise ValueError(f"{len(too_long)} examples are longer than tokens_per_batch={budget} "
-                         f"(longest {max(too_long)}); raise the budget or lower sequence_len")
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in _length_order(lengths, seed).tolist():
-        # Ascending order: the newest example is the longest, so it sets the padded width.
-        if current and (len(current) + 1) * lengths[i] > budget:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
+                         f"(longest {too_long.max()}); raise the budget or lower sequence_len")
+    order = _length_order(lengths, seed)
+    ordered = lengths[order]
+    starts = []
+    start = 0
+    while start < len(order):
+        # Ascending order: the newest example is the longest, so it sets the padded width; a batch
+        # starting here holds at most budget // its shortest examples, so only those are looked at.
+        window = ordered[start:start + budget // int(ordered[start]) + 1]
+        over = np.flatnonzero(np.arange(1, len(window) + 1) * window > budget)
+        starts.append(start)
+        start += int(over[0]) if len(over) else len(window)
+    return order, np.array(starts + [len(order)], dtype=np.int64)
 
 
 def fixed_batches(examples: list[Example], batch_size: int, pad_id: int) -> list[Batch]:

@@ -120,7 +120,7 @@ def format_report(prepared: PreparedData, cfg, tokenizer, samples: int = 0) -> l
     lines += run_lines(rep)
     plain = plain_examples(prepared.train)
     if len(plain):
-        eff, rows = packing_efficiency(lengths_of(plain).tolist(), cfg.data.sequence_len)
+        eff, rows = packing_efficiency(lengths_of(plain), cfg.data.sequence_len)
         lines.append(f"packing: {eff:.1%} of slots filled ({rows} rows of {cfg.data.sequence_len})"
                      + ("" if cfg.data.packing else "  [data.packing is off]"))
         eff, n = batching_efficiency(plain, cfg, tokenizer.pad_token_id or 0)
