@@ -507,7 +507,7 @@ def test_fp8_with_frozen_base_layers_is_refused_before_the_weights_load(monkeypa
 
 def test_fp8_conversion_leaves_frozen_layers_alone(monkeypatch, tiny_model_dir):
     """A frozen layer subclasses nn.Linear; torchao would swap it and assign its read-only weight."""
-    from mudpuppy.backends.torch.frozen import StoredLinear
+    from mudpuppy.backends.torch.model.frozen import StoredLinear
     from transformers import AutoModelForCausalLM
 
     picked = []
@@ -529,7 +529,7 @@ def test_fp8_conversion_leaves_frozen_layers_alone(monkeypatch, tiny_model_dir):
 def test_rocm_plan_reads_weights_straight_onto_the_planned_gpu(monkeypatch, tiny_model_dir):
     """Tensor by tensor onto the GPU the plan picked (never device_map="auto": it crashes with an
     iGPU present), at the dtype the GPU computes in for a frozen base."""
-    from mudpuppy.backends.torch import loading
+    from mudpuppy.backends.torch.model import loading
     from mudpuppy.config import AdapterConfig, ModelConfig
     from transformers import AutoModelForCausalLM
 

@@ -77,7 +77,7 @@ FUSED_EXPERTS = {"qwen3_moe", "mixtral", "gpt_oss"}
 
 def build(family: str, path, tokenizer, **extra):
     """The tiny model of `family` saved with `tokenizer` at `path`."""
-    from mudpuppy.backends.torch.attention import choose_attention
+    from mudpuppy.backends.torch.model.attention import choose_attention
 
     config_class, options = FAMILIES[family]
     config = config_class(**{**COMMON, **options, **extra}, vocab_size=len(tokenizer),
@@ -213,7 +213,7 @@ def test_dora(backend, model_dirs, family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_qlora(backend, model_dirs, family):
-    from mudpuppy.backends.torch.experts import PackedExperts
+    from mudpuppy.backends.torch.model.experts import PackedExperts
     from mudpuppy.backends.torch.quantization.linear4bit import Linear4bit, dequantize_model
 
     handle, info = load(backend, model_dirs(family), {"type": "qlora", "quant_backend": "int4"})

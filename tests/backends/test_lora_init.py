@@ -149,11 +149,11 @@ def test_pissa_needs_a_plain_lora(kind):
 
 
 def test_pissa_on_a_bf16_checkpoint_kept_compact_starts_from_its_function(tiny_model_dir, tmp_path):
-    """On a CPU a bf16 checkpoint under an adapter stays bf16 (frozen.py's compact layers); PiSSA's targets
+    """On a CPU a bf16 checkpoint under an adapter stays bf16 (model/frozen.py's compact layers); PiSSA's targets
     become fp32 parameters holding the residual, and the model still computes what it computed."""
     from transformers import AutoModelForCausalLM
 
-    from mudpuppy.backends.torch.frozen import FrozenLinear
+    from mudpuppy.backends.torch.model.frozen import FrozenLinear
 
     bf16 = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
     bf16.save_pretrained(tmp_path / "bf16")

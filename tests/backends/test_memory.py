@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from mudpuppy import create_backend, load_config, run
 from mudpuppy.backends.torch import memory as memory_mod
-from mudpuppy.backends.torch.frozen import FrozenLinear, StoredLinear
+from mudpuppy.backends.torch.model.frozen import FrozenLinear, StoredLinear
 from mudpuppy.backends.torch.quantization.linear4bit import Linear4bit, quantize_model
 from mudpuppy.cli import main
 from mudpuppy.config import AdapterConfig, MemoryConfig, ModelConfig
@@ -371,7 +371,7 @@ def test_qlora_rebuilds_each_weight_a_bounded_number_of_times(tiny_config, monke
 
 
 def test_a_tied_head_upcast_in_row_chunks_matches_the_dense_head():
-    from mudpuppy.backends.torch.frozen import StoredLinear
+    from mudpuppy.backends.torch.model.frozen import StoredLinear
 
     embedding = torch.nn.Embedding(50, 16).to(torch.bfloat16).requires_grad_(False)
     head = StoredLinear.tied_to(embedding, row_chunk=7, weight_dtype=torch.float32)   # 8 chunks, the last short

@@ -14,9 +14,9 @@ import torch
 import transformers
 
 from mudpuppy import create_backend
-from mudpuppy.backends.torch.attention import choose_attention, decoder_masks, packing_mask
+from mudpuppy.backends.torch.model.attention import choose_attention, decoder_masks, packing_mask
 from mudpuppy.backends.torch.backend import TorchModel
-from mudpuppy.backends.torch.heads import OutputHead, head_inputs, output_head
+from mudpuppy.backends.torch.model.heads import OutputHead, head_inputs, output_head
 from mudpuppy.data import collate, collate_packed
 from mudpuppy.errors import MudpuppyError
 from ..conftest import random_examples
@@ -182,7 +182,7 @@ def test_head_reader_covers_the_transformers_families():
     """Read from each class's forward, without building a model."""
     import inspect
 
-    from mudpuppy.backends.torch.heads import post_head_program
+    from mudpuppy.backends.torch.model.heads import post_head_program
 
     def program(cls):
         return post_head_program(inspect.unwrap(cls.forward), "lm_head")

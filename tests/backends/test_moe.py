@@ -16,9 +16,9 @@ import torch
 import transformers
 
 from mudpuppy import create_backend
-from mudpuppy.backends.torch.attention import choose_attention
+from mudpuppy.backends.torch.model.attention import choose_attention
 from mudpuppy.backends.torch.backend import TorchModel
-from mudpuppy.backends.torch.experts import PackedExperts, set_router_aux_loss
+from mudpuppy.backends.torch.model.experts import PackedExperts, set_router_aux_loss
 from mudpuppy.backends.torch.quantization.linear4bit import dequantize_model
 from mudpuppy.config import AdapterConfig, ModelConfig
 from mudpuppy.data import collate

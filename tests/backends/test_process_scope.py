@@ -16,7 +16,7 @@ from mudpuppy import create_backend
 from mudpuppy.backends import factory
 from mudpuppy.backends.torch import backend as backend_mod
 from mudpuppy.backends.torch.generation.decode_attention import packed_kv_heads_at_decode
-from mudpuppy.backends.torch.frozen import StoredLinear, weight_reads_without_values
+from mudpuppy.backends.torch.model.frozen import StoredLinear, weight_reads_without_values
 from mudpuppy.config import ModelConfig
 
 CPU = torch.device("cpu")

@@ -409,7 +409,7 @@ def test_a_kernel_that_disagrees_with_the_eager_values_is_not_used(monkeypatch):
 def test_frozen_layers_reuse_one_scratch_buffer_and_train_as_before():
     """Forward and backward of frozen layers materialize into one reused buffer per dtype on a CPU;
     the outputs and gradients equal F.linear on the dequantized weight, layer after layer."""
-    from mudpuppy.backends.torch.frozen import scratch_weight
+    from mudpuppy.backends.torch.model.frozen import scratch_weight
 
     torch.manual_seed(0)
     big = Linear4bit.from_linear(nn.Linear(96, 160), "int4", group_size=32)

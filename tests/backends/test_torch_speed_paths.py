@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mudpuppy import create_backend, load_config
-from mudpuppy.backends.torch.attach import store_frozen_linears_in as _store_frozen_linears_in
+from mudpuppy.backends.torch.model.attach import store_frozen_linears_in as _store_frozen_linears_in
 from mudpuppy.backends.torch.forward import _is_right_padded
 from mudpuppy.data import Example, collate
 
@@ -61,7 +61,7 @@ def test_bf16_frozen_linears_give_the_same_loss_as_autocasting_fp32_ones(tiny_co
 
 
 def test_the_math_attention_kernel_is_chosen_only_for_short_rows_on_a_cpu():
-    from mudpuppy.backends.torch import attention
+    from mudpuppy.backends.torch.model import attention
 
     cpu = torch.device("cpu")
 
@@ -79,7 +79,7 @@ def test_the_math_attention_kernel_is_chosen_only_for_short_rows_on_a_cpu():
 def one_step(tiny_config, monkeypatch, math: bool, checkpointing: bool):
     """A training step of the tiny model; returns the loss, the trained weights and, per attention
     call (forward and checkpointing's recompute), whether the fused kernel was allowed."""
-    from mudpuppy.backends.torch import attention
+    from mudpuppy.backends.torch.model import attention
     from mudpuppy.data import Batcher, load_data, prepare_sft_data
 
     if not math:
@@ -120,7 +120,7 @@ def test_short_batches_train_through_the_math_kernel_to_the_same_weights(tiny_co
 def test_lora_inputs_skip_the_fp32_round_trip_under_autocast_with_the_same_numbers(tiny_config):
     """Under bf16 autocast plain LoRA layers take their bf16 input as it comes, only inside the
     backend's autocast; the loss and the LoRA gradients are those of PEFT's cast, bit for bit."""
-    from mudpuppy.backends.torch.lora import plain_lora_layers
+    from mudpuppy.backends.torch.model.lora_input_cast import plain_lora_layers
 
     backend = create_backend("cpu", precision="bf16")
     cfg = load_config(tiny_config)
@@ -153,7 +153,7 @@ def test_lora_inputs_skip_the_fp32_round_trip_under_autocast_with_the_same_numbe
 
 
 def test_lora_layers_with_dropout_or_a_variant_keep_peft_s_cast(tiny_config):
-    from mudpuppy.backends.torch.lora import plain_lora_layers
+    from mudpuppy.backends.torch.model.lora_input_cast import plain_lora_layers
 
     backend = create_backend("cpu", precision="bf16")
     cfg = load_config(tiny_config)

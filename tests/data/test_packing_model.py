@@ -71,14 +71,14 @@ def test_packed_loss_equals_the_sum_of_losses_alone(tiny_models):
 
 
 def test_attention_without_4d_masks_refuses_packing():
-    from mudpuppy.backends.torch.attention import packed_attention_mask
+    from mudpuppy.backends.torch.model.attention import packed_attention_mask
 
     with pytest.raises(MudpuppyError, match="data.packing needs an attention implementation"):
         packed_attention_mask(torch.ones(1, 4, dtype=torch.long), "flash_attention_2", torch.float32)
 
 
 def test_mask_shapes_and_padding_rows_are_never_empty():
-    from mudpuppy.backends.torch.attention import packed_attention_mask
+    from mudpuppy.backends.torch.model.attention import packed_attention_mask
 
     segments = torch.tensor([[1, 1, 2, 0, 0]])
     allowed = packed_attention_mask(segments, "sdpa", torch.float32)

@@ -74,7 +74,7 @@ def test_merge_command_is_idempotent_and_protects_its_output(tiny_config, tmp_pa
     for key, value in load_file(str(merged)).items():
         np.testing.assert_array_equal(value, weights[key])
     # merging what is already merged changes nothing
-    from mudpuppy.backends.torch.merge import merge_adapter
+    from mudpuppy.backends.torch.model.merge import merge_adapter
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(str(merged.parent))

@@ -24,19 +24,19 @@ from ..provenance import base_record_of_path
 from ..protocol import AdapterInfo
 from ..routing import read_router_aux_coefficient
 from .handle import HEADS, SCALAR_HEADS, DevicePlan, TorchModel, cache_on, unwrap
-from .attach import attach_adapter
-from .lora_init import save_plain
+from .model.attach import attach_adapter
+from .model.lora_init import save_plain
 from .trainer import TorchTrainer
 from .devices.fp8_training import convert_to_fp8
 from .forward import TorchForward
-from .loading import compact_dtype, load_model_weights, quiet_if, storage_dtype
-from .frozen import compute_compact_embeddings
+from .model.loading import compact_dtype, load_model_weights, quiet_if, storage_dtype
+from .model.frozen import compute_compact_embeddings
 from .quantization.gptq.method import TorchGptq
 from .memory import return_freed_host_memory
 from .ops import TorchOps
 from .quantization.qat.method import TorchQat
 from .quantization.qat.files import is_qat_checkpoint
-from .vision import is_vision_checkpoint
+from .model.vision import is_vision_checkpoint
 
 
 class TorchBackend(TorchForward):
@@ -57,7 +57,7 @@ class TorchBackend(TorchForward):
 
     # ------------------------------------------------------------------ models
     def load_model(self, model_cfg, precision: str = "auto", head: str | None = None, adapter=None) -> TorchModel:
-        """The model at its storage precision on the device (loading.py); with `adapter` (an AdapterConfig)
+        """The model at its storage precision on the device (model/loading.py); with `adapter` (an AdapterConfig)
         the storage follows what trains: fp32 for full fine-tuning, the compute dtype for a frozen base,
         4-bit codes quantized while loading for QLoRA."""
         if head is not None and head not in HEADS:
@@ -105,7 +105,7 @@ class TorchBackend(TorchForward):
         if compact:
             compute_compact_embeddings(model, dtype)
         if override is not None:
-            from .experts import set_router_aux_loss
+            from .model.experts import set_router_aux_loss
 
             set_router_aux_loss(model, aux_coef)
         if head:
@@ -118,12 +118,12 @@ class TorchBackend(TorchForward):
                           freeze_vision=getattr(model_cfg, "freeze_vision", True))
 
     def _frozen_planner(self, adapter, dtype: torch.dtype, compact: torch.dtype | None):
-        """Which linear layers of the base become frozen layers while loading (frozen.py), and how:
+        """Which linear layers of the base become frozen layers while loading (model/frozen.py), and how:
         4-bit (QLoRA), in host memory (memory.stream_layers), or stored in `compact` (a 16-bit
         checkpoint dtype the device does not compute in) and upcast per use."""
-        from .experts import find_moe, packed_parameter
-        from .frozen import StoredLinear
-        from .loading import FrozenPlan
+        from .model.experts import find_moe, packed_parameter
+        from .model.frozen import StoredLinear
+        from .model.loading import FrozenPlan
         from .quantization.linear4bit import Linear4bit, find_quantizable_linears
 
         quantize = adapter is not None and adapter.type == "qlora"
@@ -189,13 +189,13 @@ class TorchBackend(TorchForward):
 
     # ---------------------------------------------------------------- adapters
     def attach_adapter(self, handle: TorchModel, adapter_cfg) -> AdapterInfo:
-        """PEFT's adapter (LoRA, DoRA, QLoRA's on the 4-bit base), or every weight trainable (attach.py)."""
+        """PEFT's adapter (LoRA, DoRA, QLoRA's on the 4-bit base), or every weight trainable (model/attach.py)."""
         return attach_adapter(self, handle, adapter_cfg)
 
     def quantize_base(self, handle: TorchModel, adapter_cfg) -> str:
         """Replace the base model's linear layers by our 4-bit ones (QLoRA); returns a one-line report.
         Deterministic, so a resumed run quantizes again and gets the same base."""
-        from .experts import quantize_experts, summarize_experts
+        from .model.experts import quantize_experts, summarize_experts
         from .quantization.linear4bit import quantize_model, summarize_quantized
 
         loaded = summarize_quantized(handle.model)
@@ -220,7 +220,7 @@ class TorchBackend(TorchForward):
     def load_adapter(self, handle: TorchModel, path: str) -> None:
         from peft import PeftConfig, PeftModel
 
-        from .frozen import weight_reads_without_values
+        from .model.frozen import weight_reads_without_values
 
         dora = getattr(PeftConfig.from_pretrained(path), "use_dora", False)
         with weight_reads_without_values() if not dora else contextlib.nullcontext():
@@ -231,7 +231,7 @@ class TorchBackend(TorchForward):
         """Fold the adapter into the base weights (in place) and save a plain transformers model. The
         handle holds the merged model afterwards; merging a model with no adapter left is a no-op, so
         merging twice gives the same weights."""
-        from .merge import merge_adapter
+        from .model.merge import merge_adapter
 
         handle.model = merge_adapter(handle.model)
         with cache_on(handle.model):
@@ -279,7 +279,7 @@ class TorchBackend(TorchForward):
         torch.manual_seed(seed)
 
     def create_trainer(self, handle: TorchModel, training_cfg) -> "TorchTrainer":
-        from .frozen import keep_weights_for_backward
+        from .model.frozen import keep_weights_for_backward
         from .memory import ActivationOffload
         from .distributed import Engine, fsdp_problem
 
@@ -288,7 +288,7 @@ class TorchBackend(TorchForward):
         if checkpointing:
             enable_checkpointing(base)
         # Under checkpointing a frozen layer's weight is rebuilt for the recompute right before its
-        # backward: keeping that copy for the backward saves a rebuild (frozen.py).
+        # backward: keeping that copy for the backward saves a rebuild (model/frozen.py).
         keep_weights_for_backward(base, checkpointing)
         offload = None
         if self.plan.memory is not None and self.plan.memory.activation_offload:

@@ -14,11 +14,11 @@ import torch
 
 from ...errors import MudpuppyError
 from . import logprobs
-from .attention import attention_kernels, packing_mask
+from .model.attention import attention_kernels, packing_mask
 from .handle import IGNORE_INDEX, LOSS_CHUNK_TOKENS, TorchModel, gathered, unwrap
-from .heads import head_inputs
-from .lora import lora_inputs_uncast, plain_lora_layers
-from .vision import backbone, pixel_inputs
+from .model.heads import head_inputs
+from .model.lora_input_cast import lora_inputs_uncast, plain_lora_layers
+from .model.vision import backbone, pixel_inputs
 
 
 class TorchForward:
@@ -27,8 +27,8 @@ class TorchForward:
     def _tensors(self, batch, model, every_position: bool = False,
                  processor=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Model keyword inputs and the labels. A packed batch gets its per-segment
-        positions and a block-diagonal causal mask (see attention.py); a vision-language
-        model's batch (with its `processor`) gets its pixels (vision.py)."""
+        positions and a block-diagonal causal mask (see model/attention.py); a vision-language
+        model's batch (with its `processor`) gets its pixels (model/vision.py)."""
         dev = self.plan.device
         inputs = {"input_ids": torch.as_tensor(batch.input_ids, device=dev)}
         labels = torch.as_tensor(batch.labels, device=dev)
@@ -52,7 +52,7 @@ class TorchForward:
     @contextlib.contextmanager
     def _autocast(self, handle: TorchModel):
         """Autocast to the compute dtype where there is one, with plain LoRA layers taking their
-        inputs in it (lora.py: PEFT would copy them to fp32 and autocast straight back)."""
+        inputs in it (model/lora_input_cast.py: PEFT would copy them to fp32 and autocast straight back)."""
         if handle.autocast_dtype is None:
             yield
             return
@@ -110,7 +110,7 @@ class TorchForward:
         with self._autocast(handle):
             body = backbone(base) if handle.processor is not None else base.get_decoder()
             keep = labels != IGNORE_INDEX
-            # The model's own head, post-head scaling or soft-capping included (heads.py).
+            # The model's own head, post-head scaling or soft-capping included (model/heads.py).
             hidden, head = head_inputs(base, body, inputs, keep, record)
             targets = labels[keep]
             total = hidden.new_zeros((), dtype=torch.float32)

@@ -55,7 +55,7 @@ class TorchModel:
     head: str | None = None           # None (causal LM) or a key of HEADS
     load_report: Any = None           # loading.LoadReport: how and at which dtype the weights were read
     adapter_type: str | None = None   # set by attach_adapter: none, lora, dora or qlora
-    processor: Any = None             # vision-language models: their AutoProcessor (vision.py); None for text
+    processor: Any = None             # vision-language models: their AutoProcessor (model/vision.py); None for text
     freeze_vision: bool = True        # model.freeze_vision, applied by attach_adapter
     plain_lora: tuple | None = None   # (model, its lora.plain_lora_layers), cached by _autocast
 

@@ -2,7 +2,7 @@
 
 Log-probs use SFT's masking (labels != -100) and its memory trick: only the
 positions with a target go through the output head, in chunks; the head is
-the model's own, with whatever its forward applies after it (heads.py). The
+the model's own, with whatever its forward applies after it (model/heads.py). The
 reference is the same weights with the PEFT adapter switched off, so DPO
 needs no second copy of the model.
 """
@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .experts import adds_router_aux_loss, batch_router_aux_loss
+from .model.experts import adds_router_aux_loss, batch_router_aux_loss
 from .handle import IGNORE_INDEX, LOSS_CHUNK_TOKENS, unwrap
-from .heads import head_inputs
+from .model.heads import head_inputs
 
 
 def sequence_logprobs(backend, handle, batch, grad: bool = True, router_aux: bool = False):

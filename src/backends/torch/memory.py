@@ -1,8 +1,8 @@
 """Fitting a run in device memory: which options a device can take, activation offload, and
 running out of memory well.
 
-Loading at storage precision lives in loading.py, host-resident frozen layers
-in frozen.py, optimizer offload in optimizers.py; this module holds the
+Loading at storage precision lives in model/loading.py, host-resident frozen layers
+in model/frozen.py, optimizer offload in optimizers.py; this module holds the
 activation offload and the checks and messages they share.
 """
 

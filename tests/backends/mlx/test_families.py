@@ -63,7 +63,7 @@ WINDOW_LEFT_OUT = {"mistral", "qwen2", "mixtral", "gemma2", "phi3"}
 
 
 def build(family: str, path):
-    from mudpuppy.backends.torch.attention import choose_attention
+    from mudpuppy.backends.torch.model.attention import choose_attention
 
     config_class, extra, scale = FAMILIES[family]
     tok = build_tokenizer(path)

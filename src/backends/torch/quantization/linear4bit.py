@@ -3,8 +3,8 @@
 A `Linear4bit` keeps only packed 4-bit codes and their scales (formats in
 `quant_formats`); the full-precision weight is rebuilt on the fly, in the
 input's dtype (or the autocast dtype), by the frozen-layer mechanism of
-frozen.py, which also says when it is rebuilt and how merging works.
-Runs create them while loading (loading.py: each layer quantized as its
+model/frozen.py, which also says when it is rebuilt and how merging works.
+Runs create them while loading (model/loading.py: each layer quantized as its
 weights are read); `quantize_model` swaps the plain ``nn.Linear`` layers of a
 model already in memory (except the output head and anything named in
 `skip_modules`), one at a time.
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ....errors import MudpuppyError
-from ..frozen import FrozenLinear, densify_frozen_linears
+from ..model.frozen import FrozenLinear, densify_frozen_linears
 from .formats import (
     E8M0_BIAS,
     MX_BLOCK,
@@ -405,7 +405,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Replace each `Linear4bit` (and any other frozen layer) with an ``nn.Linear`` of its full weight
     (see `frozen.densify_frozen_linears`), and each 4-bit expert stack with a plain parameter
     (`experts.densify_experts`). Returns the number of layers and stacks replaced."""
-    from ..experts import densify_experts
+    from ..model.experts import densify_experts
 
     return densify_frozen_linears(model, dtype) + densify_experts(model, dtype)
 

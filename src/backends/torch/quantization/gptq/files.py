@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .linear import GptqLinear
-from ...loading import FrozenPlan, compact_dtype, load_model_weights
+from ...model.loading import FrozenPlan, compact_dtype, load_model_weights
 
 SHARD_BYTES = 4 * 2**30
 

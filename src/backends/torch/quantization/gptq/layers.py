@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .....errors import MudpuppyError
-from ...frozen import FrozenLinear
+from ...model.frozen import FrozenLinear
 from .format import check_packable
 from .linear import GptqLinear
 from .sweep import QuantSpec, SweepResult, gptq_quantize, output_error, round_to_nearest

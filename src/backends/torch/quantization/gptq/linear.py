@@ -1,6 +1,6 @@
 """A frozen linear layer holding GPTQ tensors (`qweight`, `qzeros`, `scales`, `g_idx`), and the loading hook.
 
-The layer is a `FrozenLinear` (frozen.py): its full weight is rebuilt from the codes for each use,
+The layer is a `FrozenLinear` (model/frozen.py): its full weight is rebuilt from the codes for each use,
 in the input's dtype, and dropped afterwards, and PEFT wraps it like any ``nn.Linear`` (LoRA on a
 GPTQ base). The buffers are named and shaped as in a GPTQ checkpoint, so ``state_dict()`` of a
 quantized model is the checkpoint itself and loading is a plain tensor-by-tensor read. Scales stay
@@ -29,7 +29,7 @@ from .format import (
     dequantize_packed,
     read_quantization_config,
 )
-from ...frozen import FrozenLinear
+from ...model.frozen import FrozenLinear
 
 BUFFERS = ("qweight", "qzeros", "scales", "g_idx")
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .....errors import MudpuppyError
-from ...frozen import FrozenLinear
+from ...model.frozen import FrozenLinear
 from ..quantized_linear import QuantizedLinear
 
 QUANT_METHOD = "mudpuppy_qat"

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...errors import MudpuppyError
+from ....errors import MudpuppyError
 
 # Where the vision encoder sits in transformers' image-text-to-text models.
 VISION_TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
@@ -102,7 +102,7 @@ def pixel_inputs(processor, images: list[tuple[str, ...]], model: nn.Module, dev
                  input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The image inputs of a batch: the processor's image step on every row's files, in order, plus the
     per-token modality ids some models (M-RoPE, Gemma 3's image attention) read from the ids."""
-    from ...data.images import load_image
+    from ....data.images import load_image
 
     files = [f for row in images for f in row]
     params = inspect.signature(model.forward).parameters

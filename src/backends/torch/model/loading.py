@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...errors import MudpuppyError
+from ....errors import MudpuppyError
 from .attention import choose_attention
 from .experts import per_expert_layout
 from .frozen import FrozenLinear
-from .quantization.qat.files import is_qat_checkpoint, load_quantized
-from .quantization.gptq.linear import gptq_settings_of, install_gptq_layers
+from ..quantization.qat.files import is_qat_checkpoint, load_quantized
+from ..quantization.gptq.linear import gptq_settings_of, install_gptq_layers
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -115,7 +115,7 @@ def checkpoint_keys(directory: Path) -> set[str]:
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
     """Every tensor of a safetensors file: dtype, shape and where its bytes are."""
-    from ...files import check_safetensors
+    from ....files import check_safetensors
 
     check_safetensors(path)     # a header claiming 2^40 bytes, or offsets past the end: one message, not MemoryError
     with path.open("rb") as fh:

@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import MudpuppyError
+from ....errors import MudpuppyError
 
 MERGE_HINT = (
     "this frozen layer keeps its weight outside the module (4-bit codes, or host memory); `.weight` is a "
     "read-only copy rebuilt on each read, so writing to it (as PEFT's merge does) would change nothing. Call "
-    "mudpuppy.backends.torch.frozen.densify_frozen_linears(model) (dequantize_model for QLoRA) first: it swaps "
+    "mudpuppy.backends.torch.model.frozen.densify_frozen_linears(model) (dequantize_model for QLoRA) first: it swaps "
     "each such layer for an nn.Linear holding the full weight, and the adapter then merges normally."
 )
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .quantization.formats import check_group_size, check_quant_backend, dequantize_weight, quantize_weight
+from ..quantization.formats import check_group_size, check_quant_backend, dequantize_weight, quantize_weight
 
 logger = logging.getLogger(__name__)
 GROUPS = ("attention", "mlp", "experts", "router")

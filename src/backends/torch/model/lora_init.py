@@ -7,10 +7,10 @@ import re
 
 import torch
 
-from ...errors import MudpuppyError
-from ..adapters.init import canonical_signs, mutates_base, rewrite_as_plain_lora
+from ....errors import MudpuppyError
+from ...adapters.init import canonical_signs, mutates_base, rewrite_as_plain_lora
 from .frozen import FrozenLinear, StoredLinear
-from .handle import unwrap
+from ..handle import unwrap
 
 # Where the starting (A0, B0) of a PiSSA / OLoRA adapter live: on the PEFT model itself, so they go
 # with it (a merge or a reload replaces the model, and with it this record).

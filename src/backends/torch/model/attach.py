@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from ...errors import MudpuppyError
-from ..adapters import choose_target_modules, choose_target_parameters
-from ..adapters.init import mutates_base, peft_init
-from ..protocol import AdapterInfo
+from ....errors import MudpuppyError
+from ...adapters import choose_target_modules, choose_target_parameters
+from ...adapters.init import mutates_base, peft_init
+from ...protocol import AdapterInfo
 from .experts import warn_if_mostly_unadapted
 from .frozen import FrozenLinear
-from .handle import HEADS, TorchModel, unwrap
+from ..handle import HEADS, TorchModel, unwrap
 from .lora_init import plain_targets, record_initial
 from .vision import freeze_vision_tower, lora_targets
 

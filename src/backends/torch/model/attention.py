@@ -35,7 +35,7 @@ import re
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ...errors import MudpuppyError
+from ....errors import MudpuppyError
 
 # Implementations that take a 4D mask as given. flash-attention takes none,
 # and flex-attention wants a BlockMask: both are refused rather than run unmasked.

@@ -21,7 +21,7 @@ import contextlib
 
 from torch import nn
 
-from .handle import attribute_set
+from ..handle import attribute_set
 
 
 def plain_lora_layers(model: nn.Module) -> list[nn.Module]:
