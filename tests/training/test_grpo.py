@@ -290,9 +290,15 @@ def test_grpo_config_is_checked_up_front(tiny_config, tmp_path):
 def test_sigkill_then_resume_gives_the_same_rewards_and_losses(tiny_config, tmp_path):
     """steps_per_generation 2 with accumulation 1: the kill lands inside a generation, so the
     resumed run must continue from the saved rollouts, not sample new ones."""
+    assert_resume_is_exact(tmp_path, lambda out: grpo_config(tiny_config, out, steps_per_generation=2, beta=0.04))
+
+
+def assert_resume_is_exact(tmp_path, make_config) -> None:
+    """A run SIGKILLed after step 3 and resumed equals one that ran straight: losses, rewards, weights
+    and completions. `make_config(output_dir)` gives the online run's config dict."""
     runs = {}
     for name in ("straight", "broken"):
-        cfg = grpo_config(tiny_config, tmp_path / name, steps_per_generation=2, beta=0.04)
+        cfg = make_config(tmp_path / name)
         cfg["training"].update(max_steps=6, save_steps=1)
         cfg["adapter"]["dropout"] = 0.1          # dropout draws from the RNG the checkpoint restores
         path = tmp_path / f"{name}.yaml"

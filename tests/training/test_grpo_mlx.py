@@ -68,21 +68,32 @@ def test_grpo_objective_and_training_agree_with_torch(loss_type, level, backends
     elif loss_type != "sapo":
         assert t_metrics["clip_ratio/region_mean"] > 0      # the shifted old log-probs really clip
 
-    t_trainer = torch_backend.create_trainer(th, cfg.training)
-    m_trainer = mlx_backend.create_trainer(mh, cfg.training)
+    assert_steps_agree(backends, (th, mh), (t_obj, m_obj), batches, cfg.training, 2e-2)
+
+
+def assert_steps_agree(backends, handles, objectives, batches, training, lr: float) -> None:
+    """Three AdamW steps on both runtimes: the losses after each update agree only if the gradients did."""
+    (torch_backend, mlx_backend), (th, mh), (t_obj, m_obj) = backends, handles, objectives
+    t_trainer = torch_backend.create_trainer(th, training)
+    m_trainer = mlx_backend.create_trainer(mh, training)
     for _ in range(3):
-        t = t_trainer.step(batches, 2e-2, t_obj)
-        m = m_trainer.step(batches, 2e-2, m_obj)
+        t = t_trainer.step(batches, lr, t_obj)
+        m = m_trainer.step(batches, lr, m_obj)
         assert abs(t.loss - m.loss) < TOL, (t.loss, m.loss)
         assert abs(t.grad_norm - m.grad_norm) < TOL * max(1.0, t.grad_norm)
         assert t.grad_norm > 0
 
 
 def test_a_grpo_run_trains_on_mlx_through_the_recipe(tiny_config, tmp_path):
-    cfg = grpo_config(tiny_config, tmp_path / "run", beta=0.04)
+    run_two_steps_on_mlx(grpo_config(tiny_config, tmp_path / "run", beta=0.04))
+
+
+def run_two_steps_on_mlx(cfg: dict):
+    """Two steps of an online run's config on MLX: trained, saved, each generation's completions logged."""
     cfg.update(backend="mlx")
     cfg["training"].update(max_steps=2)
     result = run(load_config(cfg), echo=lambda *_: None)
     assert result.steps == 2
     assert (result.output_dir / "adapter_model.safetensors").is_file()
     assert (result.output_dir / "completions.jsonl").read_text().count("\n") == 2 * 4
+    return result

@@ -95,22 +95,24 @@ def report(name: str, diffs: dict[str, float]) -> None:
     print(f"\n{name}: " + ", ".join(f"|{k} - oracle| {v:.1e}" for k, v in diffs.items()))
 
 
-def grpo_trainer(tiny_model_dir, reward_funcs=None, dataset_rows=None, **config):
-    """A real GRPOTrainer on the tiny model with a LoRA adapter (randomised), in train mode."""
+def grpo_trainer(tiny_model_dir, reward_funcs=None, dataset_rows=None, kind="GRPO", **config):
+    """A real GRPOTrainer (kind "RLOO": RLOOTrainer) on the tiny model with a LoRA adapter (randomised),
+    in train mode."""
+    import trl
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    args = GRPOConfig(output_dir=str(tiny_model_dir.parent / "trl-grpo-out"), report_to="none", bf16=False,
-                      gradient_checkpointing=False, use_cpu=True, **config)
+    args = getattr(trl, f"{kind}Config")(output_dir=str(tiny_model_dir.parent / f"trl-{kind.lower()}-out"),
+                                         report_to="none", bf16=False, gradient_checkpointing=False, use_cpu=True,
+                                         **config)
     funcs = reward_funcs or [lambda completions, **kw: [0.0] * len(completions)]
     rows = dataset_rows or [{"prompt": "hello"}] * args.per_device_train_batch_size
-    trainer = GRPOTrainer(model=base, reward_funcs=funcs, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tok,
-                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, task_type="CAUSAL_LM"))
+    trainer = getattr(trl, f"{kind}Trainer")(
+        model=base, reward_funcs=funcs, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, task_type="CAUSAL_LM"))
     randomise_lora(trainer.model)
     trainer.model.train()
     # Set by Trainer's training loop (len of the step's micro-batches) before any compute_loss.

@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 
-import numpy as np
 import pytest
-import yaml
-from safetensors.numpy import load_file
 
 from mudpuppy import load_config, run
 from mudpuppy.errors import ConfigError
 
-from ..faults import kill_after
-from .test_grpo import grpo_config
-from .test_resume import cli
+from .test_grpo import assert_resume_is_exact, grpo_config
 
 
 def rloo_config(tiny_config, out, **rloo) -> dict:
@@ -78,30 +72,4 @@ def test_rloo_config_is_checked_up_front(tiny_config, tmp_path):
 def test_sigkill_then_resume_gives_the_same_rewards_and_losses(tiny_config, tmp_path):
     """As GRPO's: the kill lands inside a generation, and the KL-shaped advantages come back from the
     checkpoint's rollouts."""
-    runs = {}
-    for name in ("straight", "broken"):
-        cfg = rloo_config(tiny_config, tmp_path / name, steps_per_generation=2, beta=0.05)
-        cfg["training"].update(max_steps=6, save_steps=1)
-        cfg["adapter"]["dropout"] = 0.1
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        runs[name] = path
-    assert cli(runs["straight"]).returncode == 0
-    killed = cli(runs["broken"], env=kill_after(3))
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = cli(runs["broken"], "--resume")
-    assert resumed.returncode == 0, resumed.stderr
-
-    def rows(name):
-        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-
-    a, b = rows("straight"), rows("broken")
-    assert [r["step"] for r in b] == list(range(1, 7))
-    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], atol=1e-6, rtol=0)
-    assert [r.get("reward") for r in b] == [r.get("reward") for r in a]
-    wa = load_file(str(tmp_path / "straight" / "adapter_model.safetensors"))
-    wb = load_file(str(tmp_path / "broken" / "adapter_model.safetensors"))
-    for key in wa:
-        np.testing.assert_allclose(wa[key], wb[key], atol=1e-6, rtol=0)
-    samples = lambda name: (tmp_path / name / "completions.jsonl").read_text()   # noqa: E731
-    assert samples("broken") == samples("straight")
+    assert_resume_is_exact(tmp_path, lambda out: rloo_config(tiny_config, out, steps_per_generation=2, beta=0.05))

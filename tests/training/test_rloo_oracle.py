@@ -27,9 +27,9 @@ from mudpuppy.config.methods import RlooConfig
 from mudpuppy.training.rloo import RlooObjective, rloo_advantages
 from mudpuppy.training.rollout import completion_batch
 
-from .test_grpo_oracle import (G_ADV, LENGTHS, REWARD_TABLE, REWARD_WEIGHTS, TARGETS, make_case, perturbed,
-                               table_reward_funcs, trl_logps, our_rollout)
-from .test_preference_oracle import assert_grads_match, lora_grads, randomise_lora
+from .test_grpo_oracle import (G_ADV, LENGTHS, REWARD_TABLE, REWARD_WEIGHTS, grpo_trainer, make_case, our_rollout,
+                               perturbed, table_reward_funcs, trl_logps)
+from .test_preference_oracle import assert_grads_match, lora_grads
 
 TOL = 1e-5
 pytest.importorskip("trl")
@@ -44,26 +44,9 @@ def backend():
     return create_backend("cpu")
 
 
-def rloo_trainer(tiny_model_dir, reward_funcs=None, dataset_rows=None, **config):
+def rloo_trainer(tiny_model_dir, **kwargs):
     """A real RLOOTrainer on the tiny model with a LoRA adapter (randomised), in train mode."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import RLOOConfig, RLOOTrainer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    args = RLOOConfig(output_dir=str(tiny_model_dir.parent / "trl-rloo-out"), report_to="none", bf16=False,
-                      gradient_checkpointing=False, use_cpu=True, **config)
-    funcs = reward_funcs or [lambda completions, **kw: [0.0] * len(completions)]
-    rows = dataset_rows or [{"prompt": "hello"}] * args.per_device_train_batch_size
-    trainer = RLOOTrainer(model=base, reward_funcs=funcs, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tok,
-                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, task_type="CAUSAL_LM"))
-    randomise_lora(trainer.model)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
-    return trainer, tok
+    return grpo_trainer(tiny_model_dir, kind="RLOO", **kwargs)
 
 
 # --------------------------------------------------------------------------- 1. advantages
