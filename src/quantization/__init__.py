@@ -3,7 +3,9 @@
     from mudpuppy.quantization import quantize_per_tensor, dequantize, qgemm, fbgemm, flash_attention
 
 The torch code lives under backends/torch/quantization/ (kernels.py, quantized_linear.py, qat/, gptq/),
-where DESIGN.md puts every runtime import; this package re-exports it.
+where DESIGN.md puts every runtime import; this package re-exports it. `fbgemm`, `flash_attention`
+and `FlashMHA` are the seed's names, kept only as aliases of `qgemm_bias_act`, `sdpa_attention` and
+`SdpaSelfAttention` (`mudpuppy.quantization.kernels` says why).
 Names resolve on first use, so importing this package imports no torch until a kernel is needed.
 The kernels and their numerics: docs/qat.md; quantization-aware training: `mudpuppy.quantization.qat`;
 GPTQ: `mudpuppy.quantization.gptq` and `.gptq_format`. The recipes are training/qat.py and
@@ -16,7 +18,8 @@ import importlib
 
 _KERNELS = (
     "quantize_per_tensor", "quantize_per_channel", "quantize_per_group", "quantize_per_token", "dequantize",
-    "qgemm", "fbgemm", "quantized_layernorm", "flash_attention", "FlashMHA", "Quantized", "QuantizedLinear",
+    "qgemm", "qgemm_bias_act", "quantized_layernorm", "sdpa_attention", "SdpaSelfAttention", "Quantized",
+    "QuantizedLinear", "fbgemm", "flash_attention", "FlashMHA",
     "int_mm_available", "pack_int4", "unpack_int4", "KernelInputError",
 )
 _QAT = ("QatSpec", "prepare_qat", "set_fake_quant", "convert_qat", "save_quantized", "load_quantized",

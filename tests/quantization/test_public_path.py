@@ -12,10 +12,10 @@ import pytest
 from mudpuppy import quantization
 
 HOMES = {
-    "kernels": ("kernels", "quantized_linear"),
-    "qat": ("qat.layers", "qat.files"),
-    "gptq": ("gptq.sweep", "gptq.layers", "gptq.files"),
-    "gptq_format": ("gptq.format",),
+    "kernels": ("quantization.kernels", "quantization.quantized_linear", "model.sdpa_attention"),
+    "qat": ("quantization.qat.layers", "quantization.qat.files"),
+    "gptq": ("quantization.gptq.sweep", "quantization.gptq.layers", "quantization.gptq.files"),
+    "gptq_format": ("quantization.gptq.format",),
 }
 
 
@@ -28,11 +28,23 @@ def test_importing_the_package_imports_no_torch():
 @pytest.mark.parametrize("public", sorted(HOMES))
 def test_every_public_name_is_the_torch_modules_own(public):
     module = importlib.import_module(f"mudpuppy.quantization.{public}")
-    homes = [importlib.import_module(f"mudpuppy.backends.torch.quantization.{name}") for name in HOMES[public]]
+    homes = [importlib.import_module(f"mudpuppy.backends.torch.{name}") for name in HOMES[public]]
+    aliases = getattr(module, "SEED_ALIASES", {})
     assert module.__all__
     for name in module.__all__:
-        owners = [home for home in homes if hasattr(home, name)]
-        assert owners and getattr(module, name) is getattr(owners[0], name), name
+        real = aliases.get(name, name)
+        owners = [home for home in homes if hasattr(home, real)]
+        assert owners and getattr(module, name) is getattr(owners[0], real), name
+
+
+def test_the_seeds_names_are_aliases_of_what_they_are():
+    """`fbgemm` is not Meta's FBGEMM and `flash_attention` is plain SDPA: the seed's names stay, as aliases."""
+    from mudpuppy.quantization import kernels
+
+    assert kernels.SEED_ALIASES == {"fbgemm": "qgemm_bias_act", "flash_attention": "sdpa_attention",
+                                    "FlashMHA": "SdpaSelfAttention"}
+    for alias, real in kernels.SEED_ALIASES.items():
+        assert getattr(quantization, alias) is getattr(kernels, real) is getattr(kernels, alias)
 
 
 def test_the_package_names_resolve_to_the_same_objects():

@@ -3,12 +3,12 @@
     quantize_per_tensor / quantize_per_channel / quantize_per_group / quantize_per_token
     dequantize                      (codes - zero_point) * scale, per tensor, channel, group or token
     qgemm                           int8 x int8 matmul: torch._int_mm where it helps, exact float elsewhere
-    fbgemm                          qgemm, then bias and activation on the same output buffer
+    qgemm_bias_act                  qgemm, then bias and activation on the same output buffer
     quantized_layernorm             dequantize, layer norm, quantize again
-    flash_attention / FlashMHA      attention through torch's scaled_dot_product_attention
 
 The linear layer QAT converts to, holding int8 or int4 codes and group scales, is in
-quantized_linear.py.
+quantized_linear.py. The seed's names `fbgemm` (this is not Meta's FBGEMM), `flash_attention` and
+`FlashMHA` (model/sdpa_attention.py) are aliases in mudpuppy.quantization.kernels.
 
 The grid (one convention everywhere, torchao's, so QAT's fake quantization and the
 converted model agree bit for bit):
@@ -35,7 +35,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ....errors import MudpuppyError
 
@@ -309,9 +308,9 @@ def _per_column(value, k, n, b_q, name) -> torch.Tensor:
                            f"or [groups, {n}] with groups dividing K ({k})")
 
 
-def fbgemm(a_q: torch.Tensor, a_scale, b_q: torch.Tensor, b_scale, bias: torch.Tensor | None = None,
-           activation: str | None = None, *, a_zero_point=None, b_zero_point=None,
-           out_dtype: torch.dtype = torch.float32, use_int_mm: bool | None = None) -> torch.Tensor:
+def qgemm_bias_act(a_q: torch.Tensor, a_scale, b_q: torch.Tensor, b_scale, bias: torch.Tensor | None = None,
+                   activation: str | None = None, *, a_zero_point=None, b_zero_point=None,
+                   out_dtype: torch.dtype = torch.float32, use_int_mm: bool | None = None) -> torch.Tensor:
     """``activation(qgemm(...) + bias)``: the seed's "fused" GEMM + bias + activation.
 
     What "fused" means here: one call, and the bias and activation are applied in place on
@@ -320,11 +319,11 @@ def fbgemm(a_q: torch.Tensor, a_scale, b_q: torch.Tensor, b_scale, bias: torch.T
     separate operations (torch.compile can fuse the last two). `activation`: None or one of
     relu, gelu, silu, tanh, sigmoid."""
     if activation is not None and activation not in ACTIVATIONS:
-        raise KernelInputError(f"fbgemm: activation {activation!r} is not one of {', '.join(ACTIVATIONS)} (or None)")
+        raise KernelInputError(f"qgemm_bias_act: activation {activation!r} is not one of {', '.join(ACTIVATIONS)} (or None)")
     out = qgemm(a_q, a_scale, b_q, b_scale, a_zero_point, b_zero_point, use_int_mm=use_int_mm)
     if bias is not None:
         if bias.shape[-1] != out.shape[-1] or bias.dim() > 1:
-            raise KernelInputError(f"fbgemm: bias of shape {tuple(bias.shape)} does not match the output's last "
+            raise KernelInputError(f"qgemm_bias_act: bias of shape {tuple(bias.shape)} does not match the output's last "
                                    f"dimension ({out.shape[-1]})")
         out.add_(bias.to(torch.float32))
     if activation == "relu":
@@ -360,68 +359,3 @@ def quantized_layernorm(x_q: torch.Tensor, x_scale, weight: torch.Tensor, bias: 
     if per_row:
         return quantize_per_token(y, bits=bits, symmetric=True)
     return quantize_per_tensor(y, bits=bits)
-
-
-# --------------------------------------------------------------------------- attention
-
-
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, dropout_p: float = 0.0,
-                    *, mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v through ``F.scaled_dot_product_attention``.
-
-    Tensors are [batch, seq, heads, head_dim] (the seed's layout); k and v may have fewer heads
-    than q, a divisor of them (grouped-query attention). `mask`: boolean (True = attend) or
-    additive float, broadcastable to [batch, heads, q_seq, k_seq]. `scale` defaults to
-    1/sqrt(head_dim). SDPA picks the fused (flash or memory-efficient) kernel the device has
-    for these inputs, and the plain math kernel otherwise; the result is the same attention."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise KernelInputError(f"flash_attention: q, k and v must be [batch, seq, heads, head_dim]; got shapes "
-                               f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise KernelInputError(f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do "
-                               "not agree on batch, head_dim, or (k and v) shape")
-    if q.shape[2] % k.shape[2]:
-        raise KernelInputError(f"flash_attention: q's {q.shape[2]} heads are not a multiple of k's {k.shape[2]}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise KernelInputError(f"flash_attention: dropout_p {dropout_p} is not in [0, 1)")
-    if causal and mask is not None:
-        raise KernelInputError("flash_attention: give causal=True or a mask, not both (fold causality into the mask)")
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=dropout_p,
-        is_causal=causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
-    return out.transpose(1, 2)
-
-
-class FlashMHA(nn.Module):
-    """Multi-head self-attention on `flash_attention`, with nn.MultiheadAttention's projections.
-
-    ``qkv`` maps x to queries, keys and values (in that order, as MultiheadAttention's
-    in_proj), ``out_proj`` maps the heads back. Dropout on the attention weights applies in
-    training mode only. ``forward(x, attention_mask=None, causal=False)``: x [batch, seq,
-    embed_dim]; attention_mask a [batch, seq] padding mask (1 = real token) or any mask
-    `flash_attention` takes."""
-
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True):
-        super().__init__()
-        if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
-            raise KernelInputError(f"FlashMHA: embed_dim {embed_dim} is not a positive multiple of num_heads "
-                                   f"{num_heads}")
-        if not 0.0 <= dropout < 1.0:
-            raise KernelInputError(f"FlashMHA: dropout {dropout} is not in [0, 1)")
-        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
-        self.dropout = dropout
-        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, causal: bool = False):
-        batch, seq, _ = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, self.head_dim).unbind(dim=2)
-        mask = attention_mask
-        if mask is not None and mask.dim() == 2:           # [batch, seq] padding: hide padded keys
-            mask = mask.to(torch.bool)[:, None, None, :]
-        if causal and mask is not None:
-            allowed = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            mask = (mask & allowed) if mask.dtype == torch.bool else mask.masked_fill(~allowed, float("-inf"))
-            causal = False
-        out = flash_attention(q, k, v, causal=causal, dropout_p=self.dropout if self.training else 0.0, mask=mask)
-        return self.out_proj(out.reshape(batch, seq, self.embed_dim))

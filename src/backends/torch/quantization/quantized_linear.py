@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import KernelInputError, dequantize, fbgemm, qrange, quantize_per_group, quantize_per_token
+from .kernels import KernelInputError, dequantize, qgemm_bias_act, qrange, quantize_per_group, quantize_per_token
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,7 @@ class QuantizedLinear(nn.Module):
     activations "none"   W is dequantized per call to the input's dtype (codes * scale, the
                          values QAT's fake quantization trained against) and applied with F.linear.
     activations "int8"   x is quantized per token (asymmetric int8, as torchao's QAT fakes it)
-                         and the product runs on the codes through `fbgemm` (qgemm + bias).
+                         and the product runs on the codes through `qgemm_bias_act` (qgemm + bias).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int,
@@ -91,7 +91,7 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self.dequantized_weight(x.dtype), bias)
         xq, xs, xz = quantize_per_token(x, bits=8, symmetric=False)
         groups = self.scales.shape[1]
-        out = fbgemm(xq, xs, self.qweight.t(), self.scales.t() if groups > 1 else self.scales[:, 0], self.bias,
+        out = qgemm_bias_act(xq, xs, self.qweight.t(), self.scales.t() if groups > 1 else self.scales[:, 0], self.bias,
                      a_zero_point=xz)
         autocast = torch.is_autocast_enabled(x.device.type)      # answer in the dtype F.linear would
         return out.to(torch.get_autocast_dtype(x.device.type) if autocast else x.dtype)
