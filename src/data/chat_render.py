@@ -46,6 +46,8 @@ class ConversationRenderer:
         self.clean = [template_message(m) for m in messages]
         self._direct = direct_renderer(tokenizer, self.clean, self.tools)
         self._memo: dict[tuple[int, bool], str] = {}
+        # Turn frames learnt from earlier conversations through the same template (see `frame_key`).
+        self.frames: dict | None = getattr(self._direct, "frames", None) if self.tools is None else None
 
     def prefix(self, n: int, add_generation_prompt: bool = False) -> str:
         """The first `n` messages rendered."""
@@ -58,6 +60,18 @@ class ConversationRenderer:
         """The first `n` messages and then `message` (say, a turn with a sentinel for its content)."""
         extra = template_message(message)
         return self.render(self.clean[:n] + [extra], False, plain=is_plain(extra))
+
+    def frame_key(self, i: int) -> tuple | None:
+        """What a probe of turn i shows the template, less the turn's content and the earlier turns'
+        text: the roles and keys of messages 0..i and turn i's other values. Conversations alike in
+        these usually share turn i's frame; a caller checks a remembered one against the rendered
+        turn (the content verbatim between its two halves) before using it. None: nothing to remember."""
+        if self.frames is None:
+            return None
+        own = tuple((k, v) for k, v in self.clean[i].items() if k != "content")
+        if not all(type(v) is str for _, v in own):
+            return None
+        return tuple((m["role"], tuple(m)) for m in self.clean[:i]) + own
 
     def render(self, clean: list[dict], add_generation_prompt: bool, plain: bool = True) -> str:
         # An empty conversation goes to apply_chat_template, which refuses it in its own words.
@@ -90,7 +104,7 @@ def direct_renderer(tokenizer, clean: list[dict], tools: list[dict] | None) -> C
         return None
     if type(template) is not str:
         return None
-    compiled, flat, kwargs = _prepared(ctu, template, tokenizer.special_tokens_map)
+    compiled, flat, kwargs, frames = _prepared(ctu, template, tokenizer.special_tokens_map)
 
     def render(messages: list[dict], add_generation_prompt: bool) -> str:
         # What Template.render does, less the copy of Jinja's globals (a ChainMap) into every call's context.
@@ -101,23 +115,26 @@ def direct_renderer(tokenizer, clean: list[dict], tools: list[dict] | None) -> C
         except Exception:       # noqa: BLE001 - render again the usual way: the same error, raised as Jinja raises it
             return compiled.render(messages=messages, tools=tools, documents=None,
                                    add_generation_prompt=add_generation_prompt, **kwargs)
+    render.frames = frames
     return render
 
 
-_PREPARED: dict[str, tuple] = {}   # template source -> (compiled, special tokens map, globals, plain kwargs)
+_PREPARED: dict[str, tuple] = {}   # template source -> (compiled, special tokens map, globals, plain kwargs, frames)
+FRAMES_KEPT = 256                   # turn frames remembered per template (conversation shapes seen)
 
 
 def _prepared(ctu, template: str, special: dict) -> tuple:
-    """(compiled template, its Jinja globals as one dict, the special tokens as the template sees them),
-    kept from the last conversation: looking them up costs more than checking they are still the same."""
+    """(compiled template, its Jinja globals as one dict, the special tokens as the template sees them,
+    the turn frames learnt through it), kept from the last conversation: looking them up costs more
+    than checking they are still the same."""
     hit = _PREPARED.get(template)
     if hit is None or hit[1] != special:
         if len(_PREPARED) > 16:
             _PREPARED.clear()
         compiled = ctu._compile_jinja_template(template)
         hit = _PREPARED[template] = (compiled, dict(special), dict(compiled.globals),
-                                     ctu._plain_template_data(dict(special)))
-    return hit[0], hit[2], hit[3]
+                                     ctu._plain_template_data(dict(special)), {})
+    return hit[0], hit[2], hit[3], hit[4]
 
 
 def _unchanged(cls, base) -> bool:

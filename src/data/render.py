@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import DataError
-from .chat_render import ConversationRenderer, apply_template, template_message
+from .chat_render import FRAMES_KEPT, ConversationRenderer, apply_template, template_message
 from .tools import BUILTIN_TOOL_FORMATS, RecordError, to_builtin_format
 
 ALPACA_WITH_INPUT = (
@@ -100,7 +100,7 @@ def render_conversation(tokenizer, messages: list[dict], trained: list[bool], to
         if msg.get("tool_calls"):
             spans += call_turn_spans(chat, messages, i, full, len(before), len(upto), origin[i])
             continue
-        frame = turn_frame(chat, messages, i, len(before))
+        frame = turn_frame(chat, messages, i, full[len(before):len(upto)], len(before))
         spans += turn_spans(full, len(before), len(upto), msg["content"], frame, after_prompt=assistant)
     return Rendered(full, spans)
 
@@ -151,14 +151,29 @@ def call_turn_spans(chat: ConversationRenderer, messages: list[dict], i: int, fu
 SENTINEL = "\ue000\ue001"
 
 
-def turn_frame(chat: ConversationRenderer, messages: list[dict], i: int, lo: int) -> tuple[str, str] | None:
+def turn_frame(chat: ConversationRenderer, messages: list[dict], i: int, region: str,
+               lo: int) -> tuple[str, str] | None:
     """(what the template writes before turn i's content, what after), learnt by rendering
-    the turn with a sentinel as its content; None when the template hides it."""
+    the turn with a sentinel as its content; None when the template hides it.
+
+    Most conversations of a dataset share their turns' frames, so a frame is remembered per
+    conversation shape (`ConversationRenderer.frame_key`) and used again, without the probe,
+    only where this turn's rendered text is exactly that frame around this turn's content."""
+    key = chat.frame_key(i)
+    content = messages[i]["content"]
+    known = chat.frames.get(key) if key is not None else None
+    if known is not None and region == known[0] + content + known[1]:
+        return known
     probe = chat.probe(i, {**messages[i], "content": SENTINEL})
     at = probe.find(SENTINEL)
     if at < lo:
         return None
-    return probe[lo:at], probe[at + len(SENTINEL):]
+    frame = probe[lo:at], probe[at + len(SENTINEL):]
+    if key is not None and region == frame[0] + content + frame[1]:
+        if len(chat.frames) >= FRAMES_KEPT:
+            chat.frames.clear()
+        chat.frames[key] = frame
+    return frame
 
 
 def turn_spans(full: str, lo: int, hi: int, content: str, frame: tuple[str, str] | None,

@@ -146,3 +146,31 @@ def test_an_empty_conversation_is_refused_in_transformers_words(tok):
     chat = ConversationRenderer(tok, [{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="empty conversation"):
         chat.prefix(0)
+
+
+@pytest.mark.parametrize("template", list(TEMPLATES))
+def test_remembered_turn_frames_give_the_tokens_and_masks_of_probing_every_turn(tok, make_cfg, template,
+                                                                                  monkeypatch):
+    if TEMPLATES[template] is not None:
+        tok.chat_template = TEMPLATES[template]
+    monkeypatch.setattr(chat_render, "_PREPARED", {})     # nothing remembered from other tests
+    probes = {"old": 0, "new": 0}
+    real_probe = ConversationRenderer.probe
+    for opts in OPTIONS:
+        for name, records in chat_records(make_cfg) + [("tools.jsonl", tool_records())]:
+            out = {}
+            for side in ("old", "new"):
+                with monkeypatch.context() as m:
+                    def counted(self, *args, side=side):
+                        probes[side] += 1
+                        return real_probe(self, *args)
+                    m.setattr(ConversationRenderer, "probe", counted)
+                    if side == "old":        # every trained turn probed, as before frames were remembered
+                        m.setattr(ConversationRenderer, "frame_key", lambda self, i: None)
+                    out[side] = tokenized(tok, records, replace(opts), name)
+            (old, old_error), (new, new_error) = out["old"], out["new"]
+            assert new_error == old_error, (name, opts)
+            assert len(old or ()) == len(new or ())
+            for a, b in zip(old or (), new or ()):
+                assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask), a.source
+    assert probes["new"] < probes["old"] / 2, probes
