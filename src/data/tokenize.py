@@ -9,6 +9,7 @@ tokenizing the text piece by piece, cut at the span boundaries.
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import chain
 from typing import Callable
 
 import numpy as np
@@ -49,12 +50,17 @@ def encode_with_offsets(tokenizer, items: list[Rendered], add_special_tokens: bo
         enc = tokenizer([r.text for r in items], add_special_tokens=add_special_tokens,
                         return_attention_mask=False, return_token_type_ids=False)
         if enc.encodings is not None and len(enc.encodings) == len(items):
-            return [(ids, np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2))
-                    for ids, e in zip(enc["input_ids"], enc.encodings)]
+            return [(ids, flat_offsets(e.offsets)) for ids, e in zip(enc["input_ids"], enc.encodings)]
         enc = tokenizer([r.text for r in items], add_special_tokens=add_special_tokens, return_offsets_mapping=True)
         return [(ids, np.asarray(off, dtype=np.int64).reshape(-1, 2))
                 for ids, off in zip(enc["input_ids"], enc["offset_mapping"])]
     return [encode_by_pieces(tokenizer, r, add_special_tokens) for r in items]
+
+
+def flat_offsets(pairs: list[tuple[int, int]]) -> np.ndarray:
+    """[T, 2] offsets from the (start, end) tuples an encoding gives, read as one flat stream:
+    np.asarray inspects every tuple first, about 5 microseconds a 200-token chat more."""
+    return np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(-1, 2)
 
 
 def encode_by_pieces(tokenizer, item: Rendered, add_special_tokens: bool) -> tuple[list[int], np.ndarray]:
