@@ -30,39 +30,20 @@ from .limits import oversize
 from .readers import Problem, RawSource, Record, data_suffix, is_local, parse_json_line, record_error
 from .sources import source_records
 from .stream_json import line_records
-from .text_source import compression
+from .text_source import compression, open_content
 from .tools import uses_tools
 
 DETECT = 1000          # records the format is detected on (today's rule, all records, for files this short)
 KEEP = 1000            # a file of at most this many records is kept in memory after the scan, as before
 HEAD = 4096            # bytes checked for NUL (UTF-16 without a byte-order mark), as readers.as_utf8_text does
 SHOWN = 20             # problems kept by message; the rest are counted
-_OPENERS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
-_MAGIC = {b"\x1f\x8b": ".gz", b"\xfd7zXZ\x00": ".xz"}
 _WIDE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
-
-
-def _compression(path: Path) -> str | None:
-    kind = path.suffix.lower()
-    if kind in _OPENERS:
-        return kind
-    with open(path, "rb") as f:
-        head = f.read(6)
-    return next((k for magic, k in _MAGIC.items() if head.startswith(magic)), None)
 
 
 def streamable(path: Path, spec=None) -> bool:
     """A dataset this module reads record by record: any local data file (JSON lines split here, other
     formats read by sources.py), or, given its `spec`, a hub dataset."""
     return path.is_file() if is_local(path) else spec is not None
-
-
-def _open(path: Path, display: str):
-    kind = _compression(path)
-    if kind is None:
-        return open(path, "rb")
-    module = __import__(_OPENERS[kind])
-    return module.open(path, "rb")
 
 
 def _damaged(kind: str, display: str, exc: Exception) -> DataError:
@@ -72,16 +53,16 @@ def _damaged(kind: str, display: str, exc: Exception) -> DataError:
 def lines(path: Path, display: str, limit: int, digest=None) -> Iterator[tuple[int, bytes | int]]:
     """(line number, line without its end) of the text as readers.as_utf8_text leaves it (no UTF-8 BOM,
     CRLF as LF, a trailing Ctrl-Z dropped), or (line number, length) for a line over `limit` bytes."""
-    kind = _compression(path)
+    kind = compression(path)
     try:
-        with _open(path, display) as f:
+        with open_content(path, display) as f:
             head = f.read(HEAD + 3)
         head = head.removeprefix(codecs.BOM_UTF8).replace(b"\r\n", b"\n")[:HEAD]
         if b"\x00" in head:
             raise DataError(display, head.count(b"\n", 0, head.index(b"\x00")) + 1,
                             "holds NUL bytes: the file looks like UTF-16 text without a byte-order mark; "
                             "re-save it as UTF-8")
-        with _open(path, display) as f:
+        with open_content(path, display) as f:
             yield from _split(f, limit, digest)
     except (OSError, EOFError, ValueError) as exc:
         if kind is None or isinstance(exc, DataError):
@@ -157,7 +138,7 @@ def _split_here(path: Path, display: str) -> bool:
         return False
     if path.suffix.lower() == ".zip" or compression(path) == ".zst":     # zstd: by suffix or first bytes
         return False
-    with _open(path, display) as f:
+    with open_content(path, display) as f:
         return not f.read(4).startswith(_WIDE_BOMS)
 
 
