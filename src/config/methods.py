@@ -1,6 +1,7 @@
-"""The method sections: `preference`, `reward`, `grpo`, `rloo`, `gptq` and `qat`, each read under its own method
-only (RunConfig fills in or refuses them). Whether GRPO's (and RLOO's) reward specs, tools and environment name something
-usable is the check step's (`mudpuppy.configure`): their syntax lives in `rewards/`."""
+"""The method sections: `preference`, `reward`, `grpo`, `rloo`, `online_dpo`, `gptq` and `qat`, each read
+under its own method only (RunConfig fills in or refuses them). Whether the online methods' reward specs,
+tools and environment name something usable is the check step's (`mudpuppy.configure`): their syntax lives
+in `rewards/`."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ class RewardConfig(_Strict):
     bad_pairs: Literal["drop", "error"] = Field("drop", description="rm pairs: as preference.bad_pairs")
 
 
-class RolloutConfig(_Strict):
-    """What every online method shares (`grpo`, `rloo`): sampling, rewards, tools and the clipped ratio.
+class SamplingConfig(_Strict):
+    """What every online method shares (`grpo`, `rloo`, `online_dpo`): sampling, rewards and tools.
     Names and defaults as TRL 1.x's GRPOConfig, so configs move over. See docs/methods.md."""
 
     num_generations: int = Field(8, ge=2, description="completions sampled per prompt (a group)")
@@ -52,11 +53,6 @@ class RolloutConfig(_Strict):
     top_k: int = Field(0, ge=0, description="0: no top-k cut")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     beta: float = Field(0.0, ge=0.0, description="weight of the KL to the reference (k3); 0 computes no reference")
-    epsilon: float = Field(0.2, gt=0, description="clipping: the ratio is kept within [1-epsilon, 1+epsilon_high]")
-    epsilon_high: float | None = Field(
-        None, gt=0, description="upper clip; null: epsilon. cispo: the cap on the ratio itself (ScaleRL's "
-                                "epsilon_max, 5.0 recommended; null caps at epsilon, as in TRL)")
-    num_iterations: int = Field(1, gt=0, description="optimisation passes over each generation batch")
     steps_per_generation: int | None = Field(
         None, gt=0, description="micro-batches each generation batch is split into; null: gradient_accumulation_steps")
     mask_truncated_completions: bool = Field(False, description="completions cut at max_completion_length carry no loss")
@@ -89,6 +85,16 @@ class RolloutConfig(_Strict):
             return self
         outside_check(info, "grpo.reward_funcs", self)   # raises ValueError naming the entry
         return self
+
+
+class RolloutConfig(SamplingConfig):
+    """The policy-gradient methods' (`grpo`, `rloo`): a clipped importance ratio, several passes."""
+
+    epsilon: float = Field(0.2, gt=0, description="clipping: the ratio is kept within [1-epsilon, 1+epsilon_high]")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="upper clip; null: epsilon. cispo: the cap on the ratio itself (ScaleRL's "
+                                "epsilon_max, 5.0 recommended; null caps at epsilon, as in TRL)")
+    num_iterations: int = Field(1, gt=0, description="optimisation passes over each generation batch")
 
     @property
     def epsilon_upper(self) -> float:
@@ -146,6 +152,21 @@ class RlooConfig(RolloutConfig):
         return v
 
 
+class OnlineDpoConfig(SamplingConfig):
+    """`method: online_dpo`: TRL 1.16's experimental OnlineDPOTrainer. Two completions a prompt, the one
+    the rewards score higher (the first on a tie) chosen, DPO's loss on the pair. See docs/methods.md."""
+
+    num_generations: Literal[2] = Field(2, description="completions per prompt: a pair, always 2")
+    temperature: float = Field(0.9, gt=0, description="sampling temperature (the loss's log-probs are at 1, as "
+                                                      "TRL's)")
+    max_completion_length: int = Field(64, gt=0, description="tokens sampled at most per completion")
+    beta: float = Field(0.1, gt=0, description="DPO's beta: how strongly the policy is held to the reference")
+    loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="sigmoid: DPO's loss; ipo: IPO's, on "
+                                                                        "summed log-ratios")
+    missing_eos_penalty: float | None = Field(
+        None, description="subtracted from the reward of a completion cut at max_completion_length; null: none")
+
+
 def power_of_two_group(v: int) -> int:
     """GPTQ's and QAT's group_size: columns sharing one scale, a power of two, or -1 for one per row."""
     if v != -1 and (v <= 0 or v & (v - 1)):
@@ -188,7 +209,7 @@ class QatConfig(_Strict):
         None, ge=0, description="train this many steps in full precision before fake quantization starts")
 
 
-def grpo_batch_problems(grpo: RolloutConfig, training: TrainingConfig, section: str = "grpo") -> list[str]:
+def grpo_batch_problems(grpo: SamplingConfig, training: TrainingConfig, section: str = "grpo") -> list[str]:
     """A generation batch (micro_batch_size x steps_per_generation completions) must hold whole groups."""
     steps = grpo.steps_per_generation or training.gradient_accumulation_steps
     size = training.micro_batch_size * steps
@@ -196,5 +217,8 @@ def grpo_batch_problems(grpo: RolloutConfig, training: TrainingConfig, section: 
         return [f"{section}.num_generations: a generation batch holds training.micro_batch_size x steps_per_generation = "
                 f"{training.micro_batch_size} x {steps} = {size} completions, which is not a whole number of groups "
                 f"of {grpo.num_generations}; make it a multiple (for example micro_batch_size: {grpo.num_generations})"]
+    if section == "online_dpo" and training.micro_batch_size % 2:
+        return [f"training.micro_batch_size: online_dpo trains on pairs, both in one micro-batch; "
+                f"{training.micro_batch_size} completions split a pair (make it even)"]
     return []
 

@@ -11,20 +11,22 @@ from pydantic import Field, field_validator, model_validator
 
 from .base import _Strict
 from .data import DataConfig
-from .methods import (GptqConfig, GrpoConfig, PreferenceConfig, QatConfig, RewardConfig, RlooConfig,
-                      grpo_batch_problems)
+from .methods import (GptqConfig, GrpoConfig, OnlineDpoConfig, PreferenceConfig, QatConfig, RewardConfig,
+                      RlooConfig, grpo_batch_problems)
 from .model import AdapterConfig, ModelConfig, residual_reference_problem
 from .training import DistributedConfig, EvalConfig, LoggingConfig, MemoryConfig, TrainingConfig
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "rocm", "mlx")
-ONLINE = ("grpo", "rloo")        # the methods on GRPO's rollout machinery, each with a section of its name
+# The methods on GRPO's rollout machinery, each with a section of its name.
+ONLINE = ("grpo", "rloo", "online_dpo")
 
 
 class RunConfig(_Strict):
     model: ModelConfig
     backend: Literal[BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
     devices: list[int] | None = Field(None, description="GPU indices (after *_VISIBLE_DEVICES); default: the first usable")
-    method: Literal["sft", "preference", "rm", "prm", "grpo", "rloo", "gptq", "qat"] = "sft"
+    method: Literal["sft", "preference", "rm", "prm", "grpo", "rloo", "online_dpo", "gptq",
+                    "qat"] = "sft"
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     data: DataConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
@@ -40,6 +42,8 @@ class RunConfig(_Strict):
     reward: RewardConfig | None = Field(None, description="method: rm and prm only")
     grpo: GrpoConfig | None = Field(None, description="method: grpo only (reward_funcs is required there)")
     rloo: RlooConfig | None = Field(None, description="method: rloo only (reward_funcs is required there)")
+    online_dpo: OnlineDpoConfig | None = Field(None, description="method: online_dpo only (reward_funcs is "
+                                                                 "required there)")
     gptq: GptqConfig | None = Field(None, description="method: gptq only")
     qat: QatConfig | None = Field(None, description="method: qat only")
 
@@ -80,8 +84,9 @@ class RunConfig(_Strict):
                 if section.beta > 0 and self.adapter.type == "none":
                     # The reference is the base with the adapter switched off; full fine-tuning
                     # has no such switch, and a frozen copy would double the model's memory.
+                    fix = "use an adapter" if name == "online_dpo" else f"with adapter.type none set {name}.beta: 0"
                     problems.append(f"{name}.beta: a KL to the reference needs an adapter (the reference is the "
-                                    f"base with the adapter off); with adapter.type none set {name}.beta: 0")
+                                    f"base with the adapter off); {fix}")
         for name, section in (("gptq", GptqConfig), ("qat", QatConfig)):
             if self.method == name:
                 if getattr(self, name) is None:
@@ -114,8 +119,8 @@ class RunConfig(_Strict):
         return self
 
     @property
-    def rollout(self) -> RlooConfig | GrpoConfig | None:
-        """The online method's section (grpo or rloo: sampling, rewards, tools), None for the others."""
+    def rollout(self) -> GrpoConfig | RlooConfig | OnlineDpoConfig | None:
+        """The online method's section (grpo, rloo, online_dpo: sampling, rewards, tools), None for the others."""
         return getattr(self, self.method) if self.method in ONLINE else None
 
     def data_method(self) -> str:

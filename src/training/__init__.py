@@ -20,7 +20,8 @@ def _run_qat(cfg, backend, overwrite=False, echo=print, callbacks=()):
 
 
 METHODS = {"sft": run_sft, "preference": run_preference, "rm": run_reward, "prm": run_reward, "grpo": run_grpo,
-           "rloo": run_grpo, "gptq": _run_gptq, "qat": _run_qat}    # rloo: GRPO's recipe with RLOO's objective
+           "rloo": run_grpo, "online_dpo": run_grpo,       # GRPO's recipe with their own objectives
+           "gptq": _run_gptq, "qat": _run_qat}
 
 
 def run(cfg, backend=None, overwrite: bool = False, echo=print, allow_changes: bool = False,
@@ -43,7 +44,7 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print, allow_changes: b
     note_run(cfg, backend, echo)    # the --tui dashboard's header, when one is drawing for `echo`
     ranks = current()
     if ranks.distributed:
-        if cfg.method in ("grpo", "rloo") and cfg.distributed.strategy == "fsdp":
+        if cfg.method in ("grpo", "rloo", "online_dpo") and cfg.distributed.strategy == "fsdp":
             # Sampling runs as many decoding steps as a rank's own completions need; FSDP2 gathers each
             # layer's weights in a collective every forward, which would leave the ranks waiting on each other.
             raise MudpuppyError("distributed.strategy: fsdp: GRPO samples a different number of tokens on each "

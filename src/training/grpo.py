@@ -28,8 +28,9 @@ The four pieces, each readable on its own: sampling through the backend
 (rollout.py), scoring (rewards/), advantages in numpy and the loss through
 ArrayOps (grpo_loss.py). This file is setup, loop and save.
 
-`method: rloo` runs this same recipe with RLOO's advantages and loss (rloo.py) in
-place of GRPO's, and its own config section (`rloo:`).
+`method: rloo` and `method: online_dpo` run this same recipe with their own
+advantages and loss (rloo.py, online_dpo.py) in place of GRPO's, and their own
+config sections (`rloo:`, `online_dpo:`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .grpo_loss import GrpoObjective
 from .loop import save_trained, train_loop
 from .results import RunResult
 from .reward_models import reward_model_function
+from .online_dpo import OnlineDpoObjective
 from .rloo import RlooObjective
 from .rollout import COMPLETIONS, RolloutBatcher, score_completions
 from .session import start_run
@@ -109,13 +111,15 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) ->
 
 
 def method_line(cfg) -> str:
-    """How the run's first line names the objective: `grpo (dapo`, `rloo (leave-one-out`."""
-    return f"grpo ({cfg.grpo.loss_type}" if cfg.method == "grpo" else "rloo (leave-one-out"
+    """How the run's first line names the objective: `grpo (dapo`, `rloo (leave-one-out`, `online_dpo (sigmoid`."""
+    return {"grpo": lambda: f"grpo ({cfg.grpo.loss_type}", "rloo": lambda: "rloo (leave-one-out",
+            "online_dpo": lambda: f"online_dpo ({cfg.online_dpo.loss_type}"}[cfg.method]()
 
 
 def objective(cfg, backend):
-    """The loss the loop trains on: GRPO's or RLOO's, over the same rollouts."""
-    return GrpoObjective(backend, cfg.grpo) if cfg.method == "grpo" else RlooObjective(backend, cfg.rloo)
+    """The loss the loop trains on: GRPO's, RLOO's or online DPO's, over the same rollouts."""
+    kinds = {"grpo": GrpoObjective, "rloo": RlooObjective, "online_dpo": OnlineDpoObjective}
+    return kinds[cfg.method](backend, cfg.rollout)
 
 
 def data_columns(loaded) -> set[str]:

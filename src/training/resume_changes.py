@@ -48,7 +48,8 @@ NEUTRAL = ("backend", "devices", "logging", "eval", "merge", "merge_dtype", "mem
            "training.save_steps", "training.keep_last_n", "training.eval_steps", "training.gradient_checkpointing",
            "training.compile", "training.deterministic", "distributed.strategy", "distributed.timeout_s",
            "distributed.reshard_after_forward", "distributed.cpu_offload", "data.cache", "data.cache_dir",
-           "data.num_proc", "data.val_datasets", "grpo.log_completions", "rloo.log_completions", "model.trust_remote_code")
+           "data.num_proc", "data.val_datasets", "grpo.log_completions", "rloo.log_completions",
+           "online_dpo.log_completions", "model.trust_remote_code")
 # The global batch is their product (docs/distributed.md: the loss is divided over the whole of it): they
 # change training unless the product stays, as when 2 processes at micro batch 2 resume in 1 at 4.
 BATCH = ("training.micro_batch_size", "training.gradient_accumulation_steps", PROCESSES)

@@ -55,6 +55,7 @@ from ..errors import MudpuppyError
 from ..evaluation.heldout import stop_token_ids
 from ..rewards import score
 from .grpo_loss import RolloutBatch, group_advantages, nanstd
+from .online_dpo import pair_preferences
 from .rloo import rloo_advantages
 
 COMPLETIONS = "completions.jsonl"
@@ -64,15 +65,18 @@ SAMPLES_SHOWN = 4       # completions of each generation the --tui dashboard sho
 class RolloutBatcher:
     def __init__(self, cfg, backend, handle, prompts: list, reward_funcs: list, out: Path, agent=None):
         """`agent` (multiturn.Agent): tools and environments for multi-turn rollouts; None: one turn."""
-        g, t = cfg.rollout, cfg.training      # grpo's section, or rloo's
+        g, t = cfg.rollout, cfg.training      # the online method's section: grpo, rloo or online_dpo
         self.rloo = cfg.method == "rloo"     # RLOO's advantages, with the KL in the reward (rloo.py)
+        self.pairs = cfg.method == "online_dpo"   # chosen +1 / rejected -1, whole pairs a micro-batch (online_dpo.py)
+        self.passes = getattr(g, "num_iterations", 1)
+        self.logp_temperature = 1.0 if self.pairs else g.temperature        # TRL's online DPO: logits as they are
         self.cfg, self.g, self.backend, self.handle, self.funcs = cfg, g, backend, handle, reward_funcs
         self.agent = agent
         self.ranks = current_ranks()
         self.spg = g.steps_per_generation or t.gradient_accumulation_steps
         self.per_rank = t.micro_batch_size * self.spg // g.num_generations           # prompts this rank samples
         self.per_generation = self.per_rank * self.ranks.world                         # prompts
-        self.off_policy = g.num_iterations > 1 or self.spg > t.gradient_accumulation_steps
+        self.off_policy = not self.pairs and (self.passes > 1 or self.spg > t.gradient_accumulation_steps)
         if len(prompts) < self.per_generation:
             procs = f" x {self.ranks.world} processes" if self.ranks.distributed else ""
             raise MudpuppyError(
@@ -99,7 +103,7 @@ class RolloutBatcher:
     @property
     def batches_per_epoch(self) -> int:
         """Micro-batches in one pass over the prompts (a last, partial generation batch is skipped)."""
-        return len(self.prompts.examples) // self.per_generation * self.spg * self.g.num_iterations
+        return len(self.prompts.examples) // self.per_generation * self.spg * self.passes
 
     def next_batch(self) -> RolloutBatch:
         if self.served % self.cycle == 0:
@@ -130,13 +134,16 @@ class RolloutBatcher:
         local, sampled = self.roll_out(examples[first : first + self.per_rank], index, first)
         # Every rank's rollouts in the generation batch's order: what one process would hold.
         gen = Rollouts.join(ranks.gather(local)) if ranks.distributed else local
-        adv = self.advantages(gen)
         truncated = self.truncated(gen.completions)
+        adv = self.advantages(gen, truncated)
         trained = ~truncated if g.mask_truncated_completions else np.ones(len(gen.completions), dtype=bool)
         step = self.served // self.cfg.training.gradient_accumulation_steps + 1
         if ranks.is_main:
             self.log(step, gen.prompts, gen.texts, gen.rewards, adv.advantages, gen.messages)
-        order = np.random.default_rng([self.cfg.training.seed, index, 1]).permutation(len(gen.completions))
+        order = np.random.default_rng([self.cfg.training.seed, index, 1]).permutation(len(gen.completions) // (
+            2 if self.pairs else 1))
+        if self.pairs:                               # a pair's two completions stay side by side
+            order = (order[:, None] * 2 + np.arange(2)).reshape(-1)
         size, world = self.cfg.training.micro_batch_size, ranks.world
         counted = gen.counted
         self.loss_tokens = int(sum(n for n, keep in zip(counted, trained) if keep))
@@ -156,8 +163,10 @@ class RolloutBatcher:
         self.pending_samples = self.samples(gen.prompts, gen.texts, gen.rewards)
         return micro
 
-    def advantages(self, gen: "Rollouts"):
+    def advantages(self, gen: "Rollouts", truncated: np.ndarray):
         g = self.g
+        if self.pairs:
+            return pair_preferences(gen.rewards, self.weights, truncated, g.missing_eos_penalty)
         if self.rloo:
             return rloo_advantages(gen.rewards, self.weights, g.num_generations, g.normalize_advantages,
                                    g.reward_clip_range, gen.kl, g.beta)
@@ -226,10 +235,10 @@ class RolloutBatcher:
         micro = RolloutBatch(batch, np.asarray(advantages, np.float32), rows, None, None,
                              dapo_count=self.dapo_count(loss_tokens))
         if self.off_policy:
-            logps, _ = self.backend.token_logprobs(self.handle, batch, grad=False, temperature=g.temperature)
+            logps, _ = self.backend.token_logprobs(self.handle, batch, grad=False, temperature=self.logp_temperature)
             micro.old_logps = self.backend.ops.to_numpy(logps).astype(np.float32)
         if g.beta != 0.0 and not self.rloo:         # GRPO's KL is in the loss; RLOO's is in the reward
-            ref, _ = self.backend.token_logprobs(self.handle, batch, grad=False, temperature=g.temperature,
+            ref, _ = self.backend.token_logprobs(self.handle, batch, grad=False, temperature=self.logp_temperature,
                                                  reference=True)
             micro.ref_logps = self.backend.ops.to_numpy(ref).astype(np.float32)
         return micro
@@ -301,7 +310,7 @@ class RolloutBatcher:
 
     @property
     def cycle(self) -> int:
-        return self.spg * self.g.num_iterations
+        return self.spg * self.passes
 
 
 def score_completions(funcs: list, fields: list[dict], texts: list[str], ids: list[list[int]],
