@@ -1,5 +1,5 @@
 """RLOO's objective, written once, on MLX and on torch: same model, adapter and rollouts, within 1e-4;
-then a short RLOO run through the recipe on MLX (sampling, the KL in the reward, the shared loop)."""
+then short RLOO and online DPO runs through the recipe on MLX (sampling, rewards, the shared loop)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from mudpuppy.training.rloo import RlooObjective
 
 from .test_grpo_mlx import assert_steps_agree, rollouts, run_two_steps_on_mlx
 from .test_preference_mlx import assert_objectives_agree, backends, run_config, same_adapter  # noqa: F401
+from .test_online_dpo import online_dpo_config
 from .test_rloo import rloo_config
 
 pytestmark = pytest.mark.mlx
@@ -42,3 +43,12 @@ def test_an_rloo_run_trains_on_mlx_through_the_recipe(tiny_config, tmp_path):
     result = run_two_steps_on_mlx(rloo_config(tiny_config, tmp_path / "run", beta=0.05))
     rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["reward"]) and "kl" in r for r in rows)
+
+
+def test_an_online_dpo_run_trains_on_mlx_through_the_recipe(tiny_config, tmp_path):
+    """Online DPO shares the recipe and the preference losses: two steps on MLX, a finite DPO loss that
+    starts at log 2 (the adapter starts as the reference)."""
+    result = run_two_steps_on_mlx(online_dpo_config(tiny_config, tmp_path / "run"))
+    rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert all(math.isfinite(r["loss"]) and "reward_margin" in r for r in rows)
