@@ -386,6 +386,10 @@ class BackendProtocol(Protocol):
         a live run on it (the merge at the end of training loads the base again in fp32): itself where the
         device is host memory (torch on a CPU, MLX's unified memory)."""
 
+    def input_squares(self, handle: ModelHandle, sequences: list[list[int]]) -> dict[str, tuple["np.ndarray", int]]:
+        """What llama-imatrix collects: for every linear layer (by module name), the float64 sum over all
+        token rows of each input column's square, and the rows seen; each sequence runs alone, unpadded."""
+
     def memory_peaks(self) -> dict[str, int] | None:
         """The device's peak memory in bytes since the previous call ("allocated": what tensors held;
         "reserved": what the allocator held, where it says), starting a new window; None where the

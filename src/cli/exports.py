@@ -32,9 +32,10 @@ RUN_CONFIG = "config.yaml"          # what makes a directory a run (evaluation.t
               help="gguf, ollama: q4_k_m, q5_k_m, q6_k, q4_k_s, q5_k_s, q3_k_s/m/l, q2_k (K-quants as "
                    "llama-quantize writes them, no llama.cpp needed), q8_0, q4_0, bf16, f16, f32 "
                    "(default: q4_k_m for ollama, f16 for gguf); mlx: q4 or q8 (default: none).")
-@click.option("--imatrix", default=None, type=click.Path(dir_okay=False),
-              help="gguf, ollama K-quants: an importance matrix from llama-imatrix (its GGUF or legacy .dat "
-                   "file); each block's search weighs the columns as llama-quantize --imatrix does.")
+@click.option("--imatrix", default=None, metavar="FILE|auto",
+              help="gguf, ollama K-quants: an importance matrix, from llama-imatrix (its GGUF or legacy .dat "
+                   "file) or, with auto, collected from the run's own training data and written beside the GGUF "
+                   "(imatrix.gguf); each block's search weighs the columns as llama-quantize --imatrix does.")
 @click.option("--base-model", default=None, help="Base model for an adapter directory that does not name one.")
 @click.option("--chat-template", default=None,
               help="For adapters and models without a run config: a built-in template name or Jinja "

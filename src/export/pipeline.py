@@ -30,6 +30,8 @@ from .source import ExportSource, resolve_source
 FORMATS = ("merged", "gguf", "ollama", "mlx")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DEFAULT_QUANT = {"gguf": "f16", "ollama": "q4_k_m"}
+AUTO = "auto"          # --imatrix auto: from the run's own training data (calibrate.py)
+IMATRIX_FILE = "imatrix.gguf"
 
 
 @dataclass
@@ -84,19 +86,26 @@ def export_model(req: ExportRequest, echo=print) -> ExportResult:
         echo(f"source: {src.describe()}")
         tokenizer = src.load_tokenizer()
         layout = preflight(src, req.format, quant, tokenizer)
-        weights = importance(req.imatrix, req.format, quant, echo)
+        weights = importance(req.imatrix, req.format, quant, src, echo)
         record = write_export(req, src, tokenizer, layout, dtype, quant, out, echo, weights)
     record["files"] = out.names               # stamped into export.json by the publish: what this export wrote
     return ExportResult(out.shown, out.names, record)
 
 
-def importance(path: str | None, fmt: str, quant: str | None, echo) -> dict | None:
-    """The --imatrix file's per-column weights (read before any merge, so a bad file costs seconds)."""
+def importance(path: str | None, fmt: str, quant: str | None, src: ExportSource, echo) -> dict | str | None:
+    """The --imatrix file's per-column weights (read before any merge, so a bad file costs seconds), or
+    AUTO: collected from the run's data once the merged model exists (write_format)."""
     if path is None:
         return None
     if fmt not in ("gguf", "ollama") or quant not in gguf_format.K_QUANTS:
         raise MudpuppyError(f"--imatrix weights GGUF K-quants ({', '.join(gguf_format.K_QUANTS)}); "
                             f"--format {fmt}{' --quant ' + quant if quant else ''} does not use one")
+    if path == AUTO:
+        if src.kind != "run":
+            raise MudpuppyError(f"--imatrix auto calibrates on a run's training data, and {src.given} is "
+                                f"{'an' if src.kind == 'adapter' else 'a'} {src.kind}: export a run directory, or "
+                                "give --imatrix FILE (llama-imatrix's output)")
+        return AUTO
     from .imatrix import read_imatrix
 
     matrix = read_imatrix(Path(path).expanduser())
@@ -106,7 +115,7 @@ def importance(path: str | None, fmt: str, quant: str | None, echo) -> dict | No
 
 
 def write_export(req: ExportRequest, src: ExportSource, tokenizer, layout, dtype, quant, out, echo,
-                 imatrix: dict | None = None) -> dict:
+                 imatrix: dict | str | None = None) -> dict:
     """The format's files, its card and export.json, in the staging folder `out.dir` (output_dir.Writing);
     returns the record."""
     started = time.monotonic()
@@ -151,7 +160,7 @@ def preflight(src: ExportSource, fmt: str, quant: str | None, tokenizer) -> Turn
 
 
 def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, staging: Path, work: Path,
-                 backend_name: str, echo, imatrix: dict | None = None) -> dict:
+                 backend_name: str, echo, imatrix: dict | str | None = None) -> dict:
     from ..backends import create_backend
 
     if fmt == "merged":
@@ -171,6 +180,11 @@ def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, s
     if model_dir is None:
         echo("merging into float32 for the GGUF writer")
         model_dir = src.merge_into(create_backend(backend_name), work / "merged", "float32")
+    if imatrix == AUTO:
+        from .calibrate import collect_from_run
+
+        imatrix = collect_from_run(src, tokenizer, model_dir, create_backend(backend_name), staging / IMATRIX_FILE,
+                                   echo)
     name = f"model-{quant}.gguf"
     echo(f"writing {name}")
     base = src.base or {}

@@ -208,6 +208,10 @@ class MlxBackend:
         """mlx-lm's GPTQ (gptq.py), refused at every setting it cannot honour."""
         return MlxGptq(self, gptq_cfg)
 
+    def input_squares(self, handle, sequences):
+        raise MudpuppyError("an importance matrix is collected on torch (--imatrix auto exports through the cpu, "
+                            "cuda or rocm backend); mlx has no collector")
+
     def plan_qat(self, qat_cfg):
         raise MudpuppyError("method qat: the mlx backend has no fake quantization (torchao's QAT is torch only); "
                             "run it with --backend cpu (or cuda / rocm)")

@@ -32,6 +32,7 @@ from .forward import TorchForward
 from .model.loading import compact_dtype, load_model_weights, quiet_if, storage_dtype
 from .model.frozen import compute_compact_embeddings
 from .quantization.gptq.method import TorchGptq
+from .quantization.imatrix import collect_input_squares
 from .memory import return_freed_host_memory
 from .ops import TorchOps
 from .quantization.qat.method import TorchQat
@@ -263,6 +264,9 @@ class TorchBackend(TorchForward):
         # fp32 compute: what needs the host (a merge) loads its weights in fp32 anyway.
         return TorchBackend(DevicePlan("cpu", torch.device("cpu"), None, precision="fp32",
                                        notes=["host memory, beside a run on the GPU"]))
+
+    def input_squares(self, handle: TorchModel, sequences: list[list[int]]) -> dict[str, tuple[np.ndarray, int]]:
+        return collect_input_squares(unwrap(handle.model), sequences)
 
     def memory_peaks(self) -> dict[str, int] | None:
         device = self.plan.device
