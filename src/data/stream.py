@@ -9,10 +9,11 @@ that the worker tokenizing a chunk parses: this process parses each record
 once, in the scan. Each pass holds one line (or one chunk's lines) at a
 time; a line longer than `data.max_record_bytes` is measured, not held.
 
-The messages are `readers.read_jsonl`'s, at the same lines, and so is the
-order in which they win: a malformed line anywhere beats a format problem,
-which beats a bad field. Files this module does not stream (UTF-16/32 text,
-zstd, zip, other formats) go through `readers.read_file` as before.
+The messages are those the whole-file JSON-lines reader gave, at the same lines, and so is
+the order in which they win: a malformed line anywhere beats a format problem,
+which beats a bad field. Files this module does not split into lines (UTF-16/32 text,
+zstd, zip, other formats) are streamed record by record by sources.py's readers and
+reach the workers as parsed records.
 """
 
 from __future__ import annotations
