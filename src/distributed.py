@@ -4,7 +4,8 @@ A distributed run is N copies of the same `mudpuppy run` started by a
 launcher (torchrun / `--nproc` on torch, mlx.launch on MLX). Each reads the
 rank it was given from the launcher's environment; the backend that joins
 the process group (backends/torch/distributed.py, backends/mlx/distributed.py)
-then installs its collectives here with `install`. The recipes ask only
+returns a `Ranks` with its collectives (`backend.ranks`), the one copy of them: the run
+hands it to whatever needs it. The recipes ask only
 three things of it: am I the process that writes the run's outputs
 (`is_main`), run this on the main process and tell everyone the answer
 (`on_main`), and wait for everyone (`barrier`). A single-process run is
@@ -64,9 +65,6 @@ class Ranks:
         return result
 
 
-_current = Ranks()
-
-
 def from_environment(environ=os.environ) -> Ranks:
     """This process's place as the launcher describes it (rank 0 of 1 when no launcher started it)."""
     def first(names, default):
@@ -99,22 +97,11 @@ def launched() -> bool:
     return from_environment().world > 1
 
 
-def current() -> Ranks:
-    return _current
-
-
-def install(ranks: Ranks) -> Ranks:
-    global _current
-    _current = ranks
-    return ranks
-
-
-def check_same_config(cfg) -> None:
+def check_same_config(cfg, ranks: Ranks) -> None:
     """Every rank must train the same run: a node started with another config would silently diverge."""
     import hashlib
     import json
 
-    ranks = current()
     if not ranks.distributed:
         return
     dump = cfg.dump()
@@ -146,8 +133,3 @@ def sum_step(ranks: Ranks, all_sum, total: float, tokens: int, sums: dict, weigh
     reduced = all_sum([total, tokens] + [sums.get(k, 0.0) for k in keys] + [weights.get(k, 0) for k in keys])
     sums = dict(zip(keys, reduced[2 : 2 + len(keys)]))
     return reduced[0], int(reduced[1]), sums, dict(zip(keys, reduced[2 + len(keys):]))
-
-
-def reset() -> None:
-    """Back to one process (tests, and a backend that leaves its process group)."""
-    install(Ranks())

@@ -67,15 +67,14 @@ class Batcher:
         self._order = self._order_for(0)
 
     @classmethod
-    def from_config(cls, examples: list[Example], cfg, pad_id: int, collate_fn=collate) -> Batcher:
+    def from_config(cls, examples: list[Example], cfg, pad_id: int, collate_fn=collate, ranks=None) -> Batcher:
         """The batcher a RunConfig describes (training.micro_batch_size/seed, data.packing/...), for this
-        process's rank of a distributed run."""
-        from ..distributed import current
-
-        d, t, ranks = cfg.data, cfg.training, current()
+        process's rank of a distributed run (`ranks`, the backend's distributed.Ranks; None: one process)."""
+        d, t = cfg.data, cfg.training
+        rank, world = (0, 1) if ranks is None else (ranks.rank, ranks.world)
         return cls(examples, t.micro_batch_size, pad_id, t.seed, d.shuffle, packing=d.packing,
                    sequence_len=d.sequence_len, tokens_per_batch=d.tokens_per_batch,
-                   group_by_length=d.group_by_length, collate_fn=collate_fn, shard=(ranks.rank, ranks.world))
+                   group_by_length=d.group_by_length, collate_fn=collate_fn, shard=(rank, world))
 
     @property
     def batches_per_epoch(self) -> int:

@@ -30,7 +30,7 @@ from .tools import uses_tools
 from .tokenizers import load_text_tokenizer
 from .vision import is_vision_model, is_vision_tokenizer, load_vision_tokenizer, vision_problems
 from .images import resolve_images
-from ..distributed import current as current_ranks
+from ..distributed import Ranks
 from .pipeline import mix_indices, prepare_store
 from .shared import prepare_shared
 from .stream import reread, scan, streamable
@@ -135,14 +135,17 @@ def load_tokenizer(model_cfg, model_dir: Path | str):
 
 
 def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: str | None = None,
-                 use_cache: bool | None = None, write_cache: bool = False, refresh: bool = False) -> PreparedData:
-    """Tokenized train and validation examples for `method` (default: the config's).
+                 use_cache: bool | None = None, write_cache: bool = False, refresh: bool = False,
+                 ranks: Ranks | None = None) -> PreparedData:
+    """Tokenized train and validation examples for `method` (default: the config's), for the processes of
+    `ranks` (the backend's distributed.Ranks; None: one process).
 
     With the cache on (``data.cache``, or `use_cache`), a matching entry
     written by `mudpuppy preprocess` is reused unless `refresh`; with
     `write_cache`, a freshly tokenized result is stored for later runs.
     """
     loaded = loaded or load_data(cfg, method)
+    ranks = ranks or Ranks()
     template = apply_chat_template_choice(tokenizer, cfg.data.chat_template)
     use_cache = cfg.data.cache if use_cache is None else use_cache
     if is_vision_tokenizer(tokenizer):
@@ -164,9 +167,9 @@ def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: st
             if hit is not None:
                 return hit, root / key, False
             prepared, folder = prepare_store(cfg, tokenizer, loaded, template is not None, key, root, write_cache,
-                                             warnings, keep_scratch=current_ranks().distributed)
+                                             warnings, keep_scratch=ranks.distributed)
             return prepared, folder, prepared.report.cache != "written"
-        return prepare_shared(current_ranks(), here) if current_ranks().distributed else here()[0]
+        return prepare_shared(ranks, here) if ranks.distributed else here()[0]
     if key is not None and not refresh:
         hit = reuse_entry(root, key)
         if hit is not None:

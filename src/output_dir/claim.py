@@ -17,7 +17,6 @@ from pathlib import Path
 
 import yaml
 
-from ..distributed import current
 from ..errors import MudpuppyError, OutputExists
 from . import rundir
 from .rundir import CONFIG, SUMMARY
@@ -32,27 +31,27 @@ class Claim:
     replacing: bool = False              # --overwrite: the old run goes in take_output_dir, not before
 
 
-def claim_output_dir(cfg, overwrite: bool) -> Claim:
+def claim_output_dir(cfg, overwrite: bool, ranks) -> Claim:
     """Lock the run's directory and decide what happens to it, before any model loads; nothing is removed
     here. In a distributed run rank 0 decides (and holds the lock) and every rank gets its answer, or its
     error, so no two processes clear or write the same directory."""
     from ..monitor.trackers import check_available
 
     check_available(list(cfg.logging.report_to))          # a missing tracker stops the run before it starts
-    return current().on_main(lambda: claim_dir(cfg.output_dir, overwrite, cfg.resume, cfg))
+    return ranks.on_main(lambda: claim_dir(cfg.output_dir, overwrite, cfg.resume, cfg))
 
 
-def take_output_dir(cfg, claim: Claim, echo=print) -> Path:
+def take_output_dir(cfg, claim: Claim, echo=print, *, ranks) -> Path:
     """Once the model and data have loaded: the run replaced by --overwrite goes (only what it wrote), then
     the config copy. A typo in the model name, a bad data file, fail before this and cost nothing."""
-    current().on_main(lambda: _take(cfg, claim, echo))
+    ranks.on_main(lambda: _take(cfg, claim, echo))
     return claim.out
 
 
-def start_output_dir(cfg, overwrite: bool, echo=print) -> tuple[Path, Path | None]:
+def start_output_dir(cfg, overwrite: bool, echo=print, *, ranks) -> tuple[Path, Path | None]:
     """claim_output_dir and take_output_dir at once: for a method that has loaded its model and data already."""
-    claim = claim_output_dir(cfg, overwrite)
-    take_output_dir(cfg, claim, echo)
+    claim = claim_output_dir(cfg, overwrite, ranks)
+    take_output_dir(cfg, claim, echo, ranks=ranks)
     return claim.out, claim.resume_from
 
 

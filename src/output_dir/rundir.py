@@ -24,7 +24,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..distributed import current
 from ..errors import OutputExists
 from ..files import move_into, write_json_atomic
 from . import locks, records
@@ -69,9 +68,7 @@ def write_marker(out: Path, written=(), foreign=()) -> dict:
 def record(out: Path, names) -> None:
     """Add `names` (top-level entries the run is about to write) to the marker's `written`; a name the run
     now writes is no longer foreign. Cheap when they are listed already: no file is read. Rank 0 of a
-    distributed run alone writes the marker."""
-    if not current().is_main:
-        return
+    distributed run alone calls it: the marker has one writer."""
     key, names = _key(out), set(names)
     if key not in _listed:
         marker = read_marker(out)

@@ -36,13 +36,12 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print, allow_changes: b
     from .resume_changes import allowing
     from ..backends import create_backend
 
-    from ..distributed import current
     from ..errors import MudpuppyError
     from ..monitor.live import note_run
 
     backend = backend or create_backend(cfg.backend, **cfg.backend_options())
     note_run(cfg, backend, echo)    # the --tui dashboard's header, when one is drawing for `echo`
-    ranks = current()
+    ranks = backend.ranks         # this process's place in the run, as the backend joined it
     if ranks.distributed:
         if cfg.method in ("grpo", "rloo", "online_dpo") and cfg.distributed.strategy == "fsdp":
             # Sampling runs as many decoding steps as a rank's own completions need; FSDP2 gathers each
@@ -52,7 +51,7 @@ def run(cfg, backend=None, overwrite: bool = False, echo=print, allow_changes: b
                                 "strategy: ddp (every rank holds the whole model)")
         from ..distributed import check_same_config
 
-        check_same_config(cfg)
+        check_same_config(cfg, ranks)
         if not ranks.is_main:
             echo = _silent            # rank 0 speaks for the run
     try:

@@ -48,7 +48,6 @@ import time
 from pathlib import Path
 
 from .. import files
-from ..distributed import current as current_ranks
 from ..errors import MudpuppyError
 
 DIRNAME = "checkpoints"
@@ -208,10 +207,9 @@ def file_digest(path: Path) -> str:
 
 
 def save_checkpoint(output_dir: Path, step: int, identity: dict, pipeline_state: dict,
-                    write_backend_state, keep_last_n: int | None) -> Path:
+                    write_backend_state, keep_last_n: int | None, ranks) -> Path:
     """Write one checkpoint atomically; `write_backend_state(dir)` saves weights and optimizer
-    (collectively, in a distributed run: every rank calls this)."""
-    ranks = current_ranks()
+    (collectively, in a distributed run: every rank calls this, each with its `ranks`, distributed.Ranks)."""
     root = checkpoint_root(output_dir)
     final = root / f"step-{step:08d}"
     # One staging directory for all ranks of a distributed run (rank 0's pid names it).

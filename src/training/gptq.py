@@ -43,13 +43,13 @@ def run_gptq(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
     backend.seed(cfg.training.seed)
     handle = backend.load_model(cfg.model, cfg.training.precision)
     gptq.check(handle)                                     # unknown module names, unpackable shapes
-    data = prepare_sft_data(cfg, handle.tokenizer, loaded)
+    data = prepare_sft_data(cfg, handle.tokenizer, loaded, ranks=backend.ranks)
     calibration = pick_calibration(data.train, cfg.gptq.calibration_samples, cfg.training.seed)
     if not calibration:
         raise DataError(loaded.train[0].name if loaded.train else "data.datasets", None,
                         "no training examples left to calibrate GPTQ on (the datasets are empty, or every "
                         "example was dropped); gptq calibrates on data.datasets")
-    out, _ = start_output_dir(cfg, overwrite, echo)    # model and data loaded: lock, replace, config
+    out, _ = start_output_dir(cfg, overwrite, echo, ranks=backend.ranks)    # model and data loaded: lock, replace, config
     tokens = sum(len(e.input_ids) for e in calibration)
     echo(f"gptq: {gptq.description}; calibrating on {len(calibration)} of {len(data.train)} training examples "
          f"({tokens:,} tokens); {len(data.val)} held-out examples")
@@ -63,7 +63,7 @@ def run_gptq(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         echo(f"round-to-nearest: {rtn.describe()}")
 
     # -- quantize and save (the handle's model is released)
-    with staged_final(out) as stage:       # written beside, renamed into output_dir once complete (loop.py)
+    with staged_final(out, backend.ranks) as stage:       # written beside, renamed into output_dir once complete (loop.py)
         own = gptq.quantize(handle, cfg.model, [e.input_ids for e in calibration], stage, echo)
     del handle
     echo(f"saved the {gptq.label} model to {out}")
@@ -80,7 +80,7 @@ def run_gptq(cfg, backend, overwrite: bool = False, echo=print) -> RunResult:
         if rtn is not None and original is not None and original.loss is not None:
             echo(loss_table([("original", original), ("round-to-nearest", rtn), ("GPTQ", result.after)]))
     result.seconds = time.perf_counter() - started
-    results.write_summary(out, _summary(cfg, result, rtn, own, len(data.train), len(data.val)))
+    results.write_summary(out, backend.ranks, _summary(cfg, result, rtn, own, len(data.train), len(data.val)))
     return result
 
 

@@ -43,7 +43,6 @@ import numpy as np
 
 from ..backends.decoding import context_length
 from ..data import load_data, prepare_data
-from ..distributed import current as current_ranks
 from ..evaluation import EvalResult
 from ..evaluation.heldout import stop_token_ids
 from ..monitor.metrics import METRICS
@@ -73,7 +72,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) ->
     offer_tools(loaded, schemas(tools, environments))
     run = start_run(cfg, backend, overwrite, echo, started, callbacks)   # output_dir locked, model loaded
     handle, out = run.handle, run.out
-    data = prepare_data(cfg, handle.tokenizer, loaded, method="grpo")
+    data = prepare_data(cfg, handle.tokenizer, loaded, method="grpo", ranks=backend.ranks)
     agent = build_agent(cfg, handle.tokenizer, loaded, data.report, tools, environments,
                         stop_token_ids(handle.tokenizer), context_length(handle))
     run.take_output_dir()                                      # model and data loaded: now the old run goes
@@ -93,7 +92,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) ->
     trainer = backend.create_trainer(handle, cfg.training)    # the runtime's optimizer step (trainer.py)
     rollouts = RolloutBatcher(cfg, backend, handle, data.train, funcs, out, agent)
     steps = run.restore(trainer, rollouts)       # a resumed run: weights, optimizer, RNG, data position
-    if run.resume_from is not None and current_ranks().is_main:     # the one process that writes it
+    if run.resume_from is not None and backend.ranks.is_main:     # the one process that writes it
         truncate_completions(out / COMPLETIONS, run.state.step)
 
     # -- loop (loop.train_loop): the rollouts sample each step's batches, the objective is GRPO's loss
@@ -105,7 +104,7 @@ def run_grpo(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) ->
     save_trained(cfg, backend, handle, out)
     result = run.result(stopped_early, trainer)
     result.after = run.measure_after(measure, count=False)
-    rewards = step_rewards(out) if current_ranks().is_main else []      # rank 0 wrote metrics.jsonl
+    rewards = step_rewards(out) if backend.ranks.is_main else []      # rank 0 wrote metrics.jsonl
     return run.finish(result, rep.train_examples, rep.val_examples,
                       first_reward=rewards[0] if rewards else None, final_reward=rewards[-1] if rewards else None)
 
@@ -147,7 +146,7 @@ def held_out_reward(cfg, backend, handle, prompts: list, funcs: list, agent=None
     def evaluate() -> EvalResult:
         # In a distributed run rank r takes eval batches r, r+N, ... (the batches one process makes) and
         # scores them; the rewards are gathered, so every rank reaches the same value (early stopping).
-        ranks = current_ranks()
+        ranks = backend.ranks
         starts = list(range(0, len(chosen), cfg.eval.batch_size))[ranks.rank :: ranks.world]
         mine = [ex for start in starts for ex in chosen[start : start + cfg.eval.batch_size]]
         ids, messages, environments = [], None if agent is None else [], None if agent is None else []

@@ -32,7 +32,7 @@ from typing import Callable, Protocol, runtime_checkable
 from ..data.tokenizers import save_tokenizer
 from .. import files
 from ..data import Batcher
-from ..distributed import current as current_ranks
+from ..distributed import Ranks
 from ..errors import MudpuppyError, OutOfDeviceMemory
 from ..monitor.callbacks import Callback, Callbacks
 from ..output_dir.rundir import STAGING_FINAL, publish_staged, record
@@ -98,6 +98,7 @@ class Checkpoints:
 
     out: Path
     write: Callable[[LoopState], Path | None]
+    ranks: Ranks = field(default_factory=Ranks)     # the run's processes (one unless a launcher started several)
 
     def save(self, state: LoopState, report: Callback):
         """Write the checkpoint of state.step; the callbacks hear of it once it is complete."""
@@ -123,7 +124,7 @@ def train_loop(cfg, state: LoopState, steps: int, trainer, batcher, checkpoints:
     report = Callbacks(callbacks)
     sampler = batcher if isinstance(batcher, Sampler) else None
     last_saved = state.step
-    with GracefulStop(echo, current_ranks().distributed) as stop:
+    with GracefulStop(echo, checkpoints.ranks.distributed) as stop:
         report.on_run_start(steps, state.step)
         record = Record()
         try:
@@ -319,15 +320,16 @@ def checkpoint_writer(cfg, backend, handle, trainer, batcher, out,
     """Checkpoints of the run in `out`: the loop state, the batcher's position, and the backend's training state
     (weights, optimizer, RNG). `recorded()`: what else each checkpoint's marker records (session.py: what the
     run was trained with)."""
-    identity = checkpoint_identity(cfg)
+    identity, ranks = checkpoint_identity(cfg), backend.ranks
 
     def save(state: LoopState) -> Path:
-        record(out, [checkpoints.DIRNAME])          # listed in the run's marker before it is written
+        if ranks.is_main:
+            record(out, [checkpoints.DIRNAME])      # listed in the run's marker before it is written
         return checkpoints.save_checkpoint(
             out, state.step, {**identity, **(recorded() if recorded else {})}, state.as_dict(batcher),
-            lambda d: backend.save_training_state(handle, trainer, str(d)), cfg.training.keep_last_n)
+            lambda d: backend.save_training_state(handle, trainer, str(d)), cfg.training.keep_last_n, ranks)
 
-    return Checkpoints(Path(out), save)
+    return Checkpoints(Path(out), save, ranks)
 
 
 def restore(cfg, backend, handle, trainer, batcher, path: Path) -> LoopState:
@@ -343,24 +345,24 @@ def resumed_step(resume_from: Path | None) -> int | None:
 
 def save_trained(cfg, backend, handle, out: Path) -> None:
     """The run's result in output_dir: the adapter (and tokenizer), or the whole model."""
-    with staged_final(out) as stage:
+    with staged_final(out, backend.ranks) as stage:
         if cfg.adapter.type == "none":
             backend.save_model(handle, str(stage))
         else:
             backend.save_adapter(handle, str(stage))       # collective in a distributed run; rank 0 writes
-            if current_ranks().is_main:
+            if backend.ranks.is_main:
                 save_tokenizer(handle.tokenizer, stage)
 
 
 @contextlib.contextmanager
-def staged_final(out: Path):
+def staged_final(out: Path, ranks: Ranks):
     """Where the run's result is written first: a staging directory inside output_dir, whose files are
     renamed into output_dir only once all of them are written. A save that fails (a full disk) leaves
     output_dir as it was (no tokenizer.json cut short beside a good adapter) and ends in one message;
     the staging directory goes. In a distributed run rank 0 alone creates, moves and removes it."""
     out = Path(out)
     stage = out / STAGING_FINAL
-    main = current_ranks().is_main
+    main = ranks.is_main
     if main:
         if stage.exists():                  # left by a process killed mid-save
             shutil.rmtree(stage)

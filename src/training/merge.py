@@ -61,10 +61,8 @@ def merge_at_end(cfg, backend, out: Path, echo, adapter: Path | None = None, wha
     The base is loaded again in fp32 while the trained model still holds the device (an 8B base is 32 GB
     more): the merge runs on the host (`backend.host_backend()`), never on a GPU. A QLoRA base rebuilt there
     gets the same 4-bit codes (quantizing is exact elementwise arithmetic)."""
-    from ..distributed import current
-
     # Rank 0 of a distributed run alone: the merge reads the saved adapter, not the sharded model.
-    if not (cfg.merge and cfg.adapter.type != "none" and current().is_main):
+    if not (cfg.merge and cfg.adapter.type != "none" and backend.ranks.is_main):
         return False
     host = backend.host_backend()
     if host is not backend:

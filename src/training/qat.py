@@ -56,11 +56,9 @@ TRAINED = "trained"                   # the float fine-tune: adapter or whole mo
 
 
 def run_qat(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> RunResult:
-    from ..distributed import current
-
     started = time.perf_counter()
     qat = backend.plan_qat(cfg.qat)                       # a backend without fake quantization refuses here
-    if current().distributed:
+    if backend.ranks.distributed:
         raise MudpuppyError("method qat runs in one process for now (start it without --nproc / torchrun)")
     qat.check_adapter(cfg.adapter)
     # -- setup: data and group-size problems surface before any model loads or anything is written
@@ -68,7 +66,7 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> 
     qat.check_model(cfg.model)
     run = start_run(cfg, backend, overwrite, echo, started, callbacks)   # output_dir locked, model loaded
     handle, out = run.handle, run.out
-    data = prepare_sft_data(cfg, handle.tokenizer, loaded)
+    data = prepare_sft_data(cfg, handle.tokenizer, loaded, ranks=backend.ranks)
     run.take_output_dir()                                      # model and data loaded: now the old run goes
     rep = describe_data(data, echo)
     run.measure_before(measure_model(cfg, backend, handle, data))
@@ -77,7 +75,7 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> 
     start_fq = cfg.qat.fake_quant_after_n_steps or 0
     echo(f"qat: {layers.describe()}; fake quantization from step {start_fq + 1}")
     trainer = backend.create_trainer(handle, cfg.training)    # the runtime's optimizer step (trainer.py)
-    batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
+    batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id, ranks=backend.ranks)
     steps = run.restore(trainer, batcher)       # a resumed run: weights, optimizer, RNG, data position
     held_out = loss_check(cfg, backend, handle, data)
     measured = bool(data.val) and cfg.eval.after_training
@@ -90,18 +88,18 @@ def run_qat(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> 
         run.state, baseline = _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, run.state, steps,
                                              min(start_fq, steps), data, out, echo, held_out, callbacks)
     switching = FakeQuantSwitch(trainer, qat, handle, run.state, start_fq)
-    heard = [*results.run_callbacks(cfg, out, echo), *callbacks]      # no memory phases in QAT's summary
+    heard = [*results.run_callbacks(cfg, out, echo, backend.ranks), *callbacks]      # no memory phases in QAT's summary
     stopped_early = train_loop(cfg, run.state, steps, switching, batcher, run.checkpoints(trainer, batcher), heard,
                                evaluate=held_out, echo=echo)
 
     # -- save the float fine-tune, measure it fake-quantized, convert, save and measure the result
     qat.set_fake_quant(handle, True)
     trained = out / TRAINED
-    with staged_final(out) as stage:      # each save written beside, renamed into output_dir once complete
+    with staged_final(out, backend.ranks) as stage:      # each save written beside, renamed into output_dir once complete
         _save_trained(cfg, backend, handle, stage / TRAINED)
     result = run.result(stopped_early, trainer)
     fake = evaluate(backend, handle, data, cfg.eval) if measured else None
-    with staged_final(out) as stage:
+    with staged_final(out, backend.ranks) as stage:
         size = qat.convert(handle, layers, stage)
     echo(f"converted model ({qat.description}, {size / 2**20:.1f} MiB) saved to {out}; "
          f"the fine-tuned float weights to {trained}")
@@ -155,7 +153,7 @@ def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, bra
     in float and round-to-nearest, then go back to the kept state. Returns (state at the branch, numbers)."""
     quiet = cfg.model_copy(update={"training": cfg.training.model_copy(update={"save_steps": None})})
 
-    no_checkpoints = Checkpoints(out, lambda _state: None)
+    no_checkpoints = Checkpoints(out, lambda _state: None, backend.ranks)
 
     try:
         if branch_at:
@@ -163,7 +161,7 @@ def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, bra
             try:
                 train_loop(quiet, state, steps, FakeQuantSwitch(trainer, qat, handle, state, 0, enabled=False),
                            PausingBatcher(batcher, state, branch_at), no_checkpoints,
-                           [*results.run_callbacks(quiet, out, echo), *callbacks], evaluate=held_out, echo=echo)
+                           [*results.run_callbacks(quiet, out, echo, backend.ranks), *callbacks], evaluate=held_out, echo=echo)
             except _Pause:
                 pass
         point = out / BRANCH_POINT
@@ -173,7 +171,7 @@ def _ptq_baseline(cfg, backend, qat, handle, trainer, batcher, state, steps, bra
         kept = copy.deepcopy(state.as_dict(batcher))     # phase two appends to the same loss lists
         echo(f"PTQ baseline: fine-tuning steps {state.step + 1}-{steps} without fake quantization")
         stopped = train_loop(quiet, state, steps, FakeQuantSwitch(trainer, qat, handle, state, 0, enabled=False),
-                             batcher, no_checkpoints, [*results.run_callbacks(quiet, out, echo), *callbacks],
+                             batcher, no_checkpoints, [*results.run_callbacks(quiet, out, echo, backend.ranks), *callbacks],
                              evaluate=held_out, echo=echo)
     except Interrupted:
         raise Interrupted("interrupted during the PTQ baseline, before QAT's own steps; no checkpoint is written "

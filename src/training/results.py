@@ -13,7 +13,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..distributed import current
 from ..evaluation.result import EvalResult
 from ..files import write_json_atomic
 from ..monitor.metrics import METRICS, MetricsFile
@@ -36,13 +35,13 @@ class RunResult:
     model: object = None          # the trained ModelHandle, for generation or further use in Python
 
 
-def write_summary(out: Path, data) -> None:
+def write_summary(out: Path, ranks, data) -> None:
     """The charts and model card (monitor/report.py), then run_summary.json, the last thing a run writes; by
     rank 0 of a distributed run. A chart or card that fails to write costs the run nothing but that file."""
     from ..monitor.report import write_run_report
     from ..monitor.trackers import close_trackers
 
-    if current().is_main:
+    if ranks.is_main:
         try:
             rundir.record(out, write_run_report(out, data))
         except Exception as exc:      # noqa: BLE001 - the trained weights are saved; never fail the run here
@@ -82,7 +81,7 @@ def run_summary(cfg, result: RunResult, info, n_train: int, n_val: int, **extra)
     }
 
 
-def run_callbacks(cfg, out: Path, echo) -> list:
+def run_callbacks(cfg, out: Path, echo, ranks) -> list:
     """What a training loop reports to unless its recipe says otherwise: metrics.jsonl, the trackers of
     logging.report_to (started with the run's first loop, open until write_summary) and the progress display,
     the --tui dashboard when one draws for `echo`; rank 0 alone, the other ranks of a distributed run report
@@ -90,7 +89,7 @@ def run_callbacks(cfg, out: Path, echo) -> list:
     from ..monitor.live import progress_display
     from ..monitor.trackers import open_trackers
 
-    if not current().is_main:
+    if not ranks.is_main:
         return []
     rundir.record(out, tracker_dirs(cfg.logging.report_to))
     trackers = open_trackers(cfg, out)

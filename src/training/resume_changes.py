@@ -29,7 +29,6 @@ from pathlib import Path
 import yaml
 
 from ..config import bounded_yaml_load
-from ..distributed import current as current_ranks
 from ..errors import MudpuppyError
 from ..monitor.callbacks import Callback
 from ..monitor.metrics import METRICS, MetricsFile
@@ -80,7 +79,7 @@ def changes_allowed() -> bool:
 
 # --------------------------------------------------------------------------- what trained a run
 
-def trained_with(cfg) -> dict:
+def trained_with(cfg, ranks) -> dict:
     """The config's values by dotted path, and the sha256 of each local data file (`data.datasets.N.content`):
     a file edited in place, same record count or not, shows. A Hub dataset is known by its name, split and
     subset only."""
@@ -90,7 +89,7 @@ def trained_with(cfg) -> dict:
             path = cfg.resolve_path(spec.path)
             if path.is_file():
                 settings[f"data.{section}.{i}{CONTENT}"] = checkpoints.file_digest(path)
-    settings[PROCESSES] = current_ranks().world
+    settings[PROCESSES] = ranks.world
     return settings
 
 

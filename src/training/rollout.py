@@ -50,7 +50,6 @@ import numpy as np
 
 from ..backends.protocol import Sampling
 from ..data import Batch, Batcher, IGNORE_INDEX
-from ..distributed import current as current_ranks
 from ..errors import MudpuppyError
 from ..evaluation.heldout import stop_token_ids
 from ..rewards import score
@@ -72,7 +71,7 @@ class RolloutBatcher:
         self.logp_temperature = 1.0 if self.pairs else g.temperature        # TRL's online DPO: logits as they are
         self.cfg, self.g, self.backend, self.handle, self.funcs = cfg, g, backend, handle, reward_funcs
         self.agent = agent
-        self.ranks = current_ranks()
+        self.ranks = backend.ranks
         self.spg = g.steps_per_generation or t.gradient_accumulation_steps
         self.per_rank = t.micro_batch_size * self.spg // g.num_generations           # prompts this rank samples
         self.per_generation = self.per_rank * self.ranks.world                         # prompts

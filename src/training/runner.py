@@ -60,7 +60,7 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
         raise_bad_records(screening, method)
     run = start_run(cfg, backend, overwrite, echo, started, callbacks, head=recipe.head)   # output_dir locked, model
     handle, out = run.handle, run.out
-    data = prepare_data(cfg, handle.tokenizer, loaded, method=method)
+    data = prepare_data(cfg, handle.tokenizer, loaded, method=method, ranks=backend.ranks)
     # An example with no target left after truncation is one whose prompt fills sequence_len.
     no_room = data.report.dropped_no_target
     if no_room and recipe.bad_input == "error":
@@ -87,7 +87,7 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     measure = held_out if val_batches else None
     run.measure_before(measure)
     trainer = backend.create_trainer(handle, cfg.training)    # the runtime's optimizer step (trainer.py)
-    batcher = Batcher.from_config(train_items, cfg, pad, collate_fn=recipe.collate)
+    batcher = Batcher.from_config(train_items, cfg, pad, collate_fn=recipe.collate, ranks=backend.ranks)
     steps = run.restore(trainer, batcher)       # a resumed run: weights, optimizer, RNG, data position
 
     # -- loop (loop.train_loop), minimising the recipe's objective
@@ -111,15 +111,13 @@ def save_whole(cfg, backend, handle, out: Path, echo) -> None:
     """A scalar-head model is only useful whole: output_dir gets the complete model (adapter merged
     in, at the training dtype, so scores stay exact), loadable with AutoModelFor*Classification
     alone; the adapter, with its trained head, goes to output_dir/adapter for PEFT users."""
-    from ..distributed import current
-
-    with staged_final(out) as stage:          # all written first, then renamed into output_dir (loop.py)
+    with staged_final(out, backend.ranks) as stage:          # all written first, then renamed into output_dir (loop.py)
         if cfg.adapter.type == "none":
             backend.save_model(handle, str(stage))
             return
         adapter = stage / ADAPTER_DIR
         backend.save_adapter(handle, str(adapter))       # collective in a distributed run; rank 0 writes
-        if not current().is_main:
+        if not backend.ranks.is_main:
             return                  # under ddp rank 0 holds the whole model too, and merges it alone
         save_tokenizer(handle.tokenizer, adapter)
         dtype = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype

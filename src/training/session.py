@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Callable
 
 from .. import files
-from ..distributed import current as current_ranks
 from ..errors import MudpuppyError
 from ..evaluation.result import EvalResult
 from ..monitor.memory import MemoryPhases, with_memory
@@ -66,6 +65,11 @@ class Run:
     extra: list = field(default_factory=list)   # the callbacks the caller of run() added (monitor/callbacks.py)
 
     @property
+    def ranks(self):
+        """This process's place in the run (distributed.Ranks), as the backend joined it."""
+        return self.backend.ranks
+
+    @property
     def out(self) -> Path:
         return self.claim.out
 
@@ -78,8 +82,8 @@ class Run:
         resumed run keeps the config.yaml it started with: what a resume changed is recorded as a change at
         its step (resume_changes.py), never as the config of the whole run."""
         started_with = self._config_copy() if self.resume_from is not None else None
-        out = take_output_dir(self.cfg, self.claim, self.echo)
-        if started_with is not None and current_ranks().is_main:
+        out = take_output_dir(self.cfg, self.claim, self.echo, ranks=self.ranks)
+        if started_with is not None and self.ranks.is_main:
             path = out / CONFIG
             staged = path.with_name(path.name + ".tmp")
             staged.write_bytes(started_with)
@@ -128,10 +132,10 @@ class Run:
         the RNG and the data position load again from it, so a half-finished load leaves nothing behind."""
         failed = self.resume_from
         reason = checkpoints.skip_unloadable(failed, exc)
-        older = None if current_ranks().distributed else checkpoints.older_checkpoint(self.out, failed)
+        older = None if self.ranks.distributed else checkpoints.older_checkpoint(self.out, failed)
         if older is None:
             why = ("a distributed run does not fall back (its processes would have to agree on which)"
-                   if current_ranks().distributed else "no older checkpoint reads")
+                   if self.ranks.distributed else "no older checkpoint reads")
             raise files.CorruptFile(f"cannot resume from {failed}: {reason}, and {why}. It is kept as it is; "
                                     "start over with --overwrite or a new output_dir") from exc
         self.accepted = resume_changes.check_resume(self.cfg, self.record, older, self.echo)
@@ -148,7 +152,7 @@ class Run:
         """What the loop reports to: results.run_callbacks, the peak memory of each phase (run_summary.json's
         `memory`, monitor/memory.py), then the callbacks the caller of run() added."""
         self.memory = MemoryPhases(self.backend)
-        callbacks = results.run_callbacks(self.cfg, self.out, self.echo)
+        callbacks = results.run_callbacks(self.cfg, self.out, self.echo, self.ranks)
         return [*callbacks, *resume_changes.changes_line(callbacks, self.accepted), self.memory, *self.extra]
 
     def result(self, stopped_early: bool, trainer) -> RunResult:
@@ -183,7 +187,8 @@ class Run:
         result.seconds = time.perf_counter() - self.started
         summary = results.run_summary(self.cfg, result, self.info, n_train, n_val,
                                       **{resume_changes.HISTORY: self.changes, **extra})
-        results.write_summary(self.out, summary if self.memory is None else with_memory(summary, self.memory))
+        written = summary if self.memory is None else with_memory(summary, self.memory)
+        results.write_summary(self.out, self.ranks, written)
         return result
 
 
@@ -192,8 +197,8 @@ def start_run(cfg, backend, overwrite: bool, echo, started: float, callbacks=(),
     resume changes (resume_changes.py: refused unless allowed), seed, load the model (with a scalar `head` for
     reward models): after the recipe's data checks, before its tokenization. `callbacks`: what the caller of
     run() added, heard by the loop after the run's own (Run.callbacks)."""
-    claim = claim_output_dir(cfg, overwrite)
-    record = resume_changes.trained_with(cfg)
+    claim = claim_output_dir(cfg, overwrite, backend.ranks)
+    record = resume_changes.trained_with(cfg, backend.ranks)
     accepted = resume_changes.check_resume(cfg, record, claim.resume_from, echo) if claim.resume_from else []
     history = resume_changes.history_of(claim.resume_from) if claim.resume_from else []
     backend.seed(cfg.training.seed)

@@ -33,14 +33,14 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> 
     loaded = load_data(cfg, "sft")
     run = start_run(cfg, backend, overwrite, echo, started, callbacks)   # output_dir locked, model loaded
     handle = run.handle
-    data = prepare_sft_data(cfg, handle.tokenizer, loaded)
+    data = prepare_sft_data(cfg, handle.tokenizer, loaded, ranks=backend.ranks)
     run.take_output_dir()                                      # model and data loaded: now the old run goes
     rep = describe_data(data, echo)
     measure = measure_model(cfg, backend, handle, data)
     run.measure_before(measure)
     run.attach_adapter()
     trainer = backend.create_trainer(handle, cfg.training)    # the runtime's optimizer step (trainer.py)
-    batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id)
+    batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id, ranks=backend.ranks)
     steps = run.restore(trainer, batcher)       # a resumed run: weights, optimizer, RNG, data position
 
     # -- loop: each optimizer step is written out in loop.train_loop, the runtime's part in its trainer.step

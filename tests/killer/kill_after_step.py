@@ -31,9 +31,9 @@ class KillAfterStep(Callback):
             self.kill()
 
     def kill(self) -> None:
-        from mudpuppy.distributed import current
+        from mudpuppy.distributed import from_environment     # the rank the launcher gave this process
 
-        if self.rank is None or current().rank == self.rank:
+        if self.rank is None or from_environment().rank == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
 

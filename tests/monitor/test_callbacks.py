@@ -10,6 +10,7 @@ import pytest
 
 from mudpuppy import load_config
 from mudpuppy.backends.protocol import StepResult
+from mudpuppy.distributed import Ranks
 from mudpuppy.errors import OutOfDeviceMemory
 from mudpuppy.monitor.callbacks import Callback
 from mudpuppy.training import results
@@ -139,7 +140,7 @@ def test_the_standard_set_writes_metrics_jsonl_from_the_same_records_a_callback_
     cfg = config(tiny_config, log_every=2, eval_steps=3)
     out, spy, rollouts = tmp_path / "out", Spy(), Rollouts()
     out.mkdir()
-    callbacks = [*results.run_callbacks(cfg, out, print), spy]
+    callbacks = [*results.run_callbacks(cfg, out, print, Ranks()), spy]
     train_loop(cfg, LoopState(), 6, Trainer(), rollouts, saver(out, []), callbacks, evaluate=evaluator())
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines == [record for (record,) in spy.of("log")]
@@ -166,7 +167,7 @@ def test_resuming_cuts_metrics_jsonl_back_and_tells_the_callbacks_where_it_start
     state = LoopState(step=3)
     trainer = Trainer()
     trainer.calls = 3
-    train_loop(cfg, state, 6, trainer, Batches(), saver(out, []), [*results.run_callbacks(cfg, out, print), spy])
+    train_loop(cfg, state, 6, trainer, Batches(), saver(out, []), [*results.run_callbacks(cfg, out, print, Ranks()), spy])
     assert spy.calls[0] == ("start", 6, 3)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(line["step"], line["loss"]) for line in lines] == [(1, 9.0), (2, 9.0), (3, 9.0), (4, LOSSES[3]),

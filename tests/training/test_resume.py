@@ -14,6 +14,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from mudpuppy import create_backend, load_config, run
+from mudpuppy.distributed import Ranks
 from mudpuppy.errors import MudpuppyError, OutputExists
 from mudpuppy.training import checkpoints
 from mudpuppy.training.loop import Interrupted, TrainingDiverged
@@ -261,7 +262,8 @@ def test_on_nan_stop_keeps_the_last_good_checkpoint(tiny_config, tmp_path, monke
 def test_half_written_checkpoints_are_invisible_and_old_ones_pruned(tmp_path):
     calls = []
     for step in (1, 2, 3):
-        checkpoints.save_checkpoint(tmp_path, step, {"m": 1}, {"step": step}, lambda d: calls.append(d), keep_last_n=2)
+        checkpoints.save_checkpoint(tmp_path, step, {"m": 1}, {"step": step}, lambda d: calls.append(d), keep_last_n=2,
+                                    ranks=Ranks())
     assert [c.name for c in checkpoints.list_checkpoints(tmp_path)] == ["step-00000002", "step-00000003"]
     # A crash mid-save leaves a staging directory (or a directory without the marker): never "complete".
     (tmp_path / "checkpoints" / ".tmp-step-00000004-99").mkdir()

@@ -31,14 +31,14 @@ def join() -> ranks_module.Ranks:
     global _group
     ranks = ranks_module.from_environment()
     if ranks.world == 1:
-        return ranks_module.install(ranks_module.Ranks())
+        return ranks_module.Ranks()
     if _group is None:
         _group = mx.distributed.init(strict=True)
     ranks.rank, ranks.world = _group.rank(), _group.size()
     ranks.barrier = barrier
     ranks.gather = gather
     ranks.broadcast = lambda obj: gather(obj if ranks.rank == 0 else None)[0]
-    return ranks_module.install(ranks)
+    return ranks
 
 
 def barrier() -> None:

@@ -308,7 +308,7 @@ class TorchBackend(TorchForward):
             if problem:
                 raise MudpuppyError(problem)
             # Before the optimizer is built: FSDP replaces the parameters with their shards.
-            self.engine = Engine(strategy, handle.model, self.plan, self.plan.distributed, handle.autocast_dtype)
+            self.engine = Engine(strategy, handle.model, self.plan, self.plan.distributed, self.ranks, handle.autocast_dtype)
         return TorchTrainer(self, handle, training_cfg, offload, self.engine)
 
 def enable_checkpointing(model) -> None:

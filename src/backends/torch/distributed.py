@@ -57,10 +57,10 @@ def joined() -> bool:
 
 
 def join(device_type: str, cfg) -> ranks_module.Ranks:
-    """Join the process group the launcher set up (idempotent); installs the collectives."""
+    """Join the process group the launcher set up (idempotent): this process's ranks, with the collectives."""
     ranks = ranks_module.from_environment()
     if ranks.world == 1:
-        return ranks_module.install(ranks_module.Ranks())
+        return ranks_module.Ranks()
     if not joined():
         backend = "gloo" if device_type == "cpu" else "nccl"      # nccl is RCCL on a ROCm build
         timeout = datetime.timedelta(seconds=cfg.timeout_s if cfg is not None else 600)
@@ -72,7 +72,7 @@ def join(device_type: str, cfg) -> ranks_module.Ranks:
     ranks.barrier = _barrier
     ranks.broadcast = _broadcast
     ranks.gather = _gather
-    return ranks_module.install(ranks)
+    return ranks
 
 
 def _leave() -> None:
@@ -110,9 +110,10 @@ class Step(torch.nn.Module):
 class Engine:
     """One model wrapped for N processes; the trainer runs each micro-batch through `run`."""
 
-    def __init__(self, strategy: str, model, plan, cfg, compute_dtype: torch.dtype | None = None):
+    def __init__(self, strategy: str, model, plan, cfg, ranks: ranks_module.Ranks,
+                 compute_dtype: torch.dtype | None = None):
         self.strategy = strategy
-        self.ranks = ranks_module.current()
+        self.ranks = ranks
         self.in_step = False
         self.step_module = Step(model)
         if strategy == "ddp":
@@ -221,7 +222,7 @@ def fsdp_problem(adapter_type: str, plan, head: str | None = None) -> str | None
 
 
 # ------------------------------------------------------------------ checkpoints
-def save_sharded(handle, trainer, path: Path) -> None:
+def save_sharded(handle, trainer, path: Path, rank: int) -> None:
     """Every rank writes its part with DCP (collective); each rank its own RNG; rank 0 the PEFT adapter."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -232,10 +233,10 @@ def save_sharded(handle, trainer, path: Path) -> None:
     state = {"model": get_model_state_dict(handle.model, options=options),
              "optim": get_optimizer_state_dict(handle.model, trainer.optimizer, options=options)}
     dcp.save(state, checkpoint_id=str(path / DCP_DIR))
-    torch.save(trainer.runtime_state(), path / RNG_FILE.format(rank=ranks_module.current().rank))
+    torch.save(trainer.runtime_state(), path / RNG_FILE.format(rank=rank))
 
 
-def load_sharded(handle, trainer, path: Path) -> None:
+def load_sharded(handle, trainer, path: Path, rank: int) -> None:
     """A DCP checkpoint into this process's model and optimizer, whatever the number of processes now."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
@@ -251,7 +252,6 @@ def load_sharded(handle, trainer, path: Path) -> None:
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
     set_model_state_dict(handle.model, state["model"], options=options)
     set_optimizer_state_dict(handle.model, trainer.optimizer, state["optim"], options=options)
-    rank = ranks_module.current().rank
     own = path / RNG_FILE.format(rank=rank)
     # A different number of processes: ranks beyond the saved ones continue from rank 0's RNG.
     rng = own if own.is_file() else path / RNG_FILE.format(rank=0)

@@ -50,7 +50,7 @@ def save_training_state(backend, handle, trainer, path: str | Path) -> None:
     if trainer.engine is not None:
         from .distributed import save_sharded
 
-        save_sharded(handle, trainer, path)
+        save_sharded(handle, trainer, path, backend.ranks.rank)
         if hasattr(model, "peft_config"):
             backend.save_adapter(handle, str(path))      # gathered; rank 0 writes
         write_gathered_portable(backend, handle, trainer, path)
@@ -77,7 +77,7 @@ def load_training_state(backend, handle, trainer, path: str | Path) -> None:
         if (path / WEIGHTS).exists():
             raise CorruptFile(f"{path} holds both {WEIGHTS} (written by one process) and sharded/ (written by "
                               "several); no run writes both, so it was changed after it was written and is not read")
-        load_sharded(handle, trainer, path)
+        load_sharded(handle, trainer, path, backend.ranks.rank)
         return
     if trainer.engine is not None and trainer.engine.strategy == "fsdp":
         raise MudpuppyError(f"cannot resume {path} under fsdp: it was written by one process (not sharded); "
@@ -142,8 +142,6 @@ def write_gathered_portable(backend, handle, trainer, path: Path) -> None:
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
     )
 
-    from ...distributed import current
-
     entries = []
     # A full fine-tune's whole model and optimizer state would have to fit in rank 0's host memory at every
     # checkpoint (about 16 bytes a parameter); an adapter's is small.
@@ -159,7 +157,7 @@ def write_gathered_portable(backend, handle, trainer, path: Path) -> None:
         trained = {n for n, p in handle.model.named_parameters() if id(p) in stepped}
         entries = [(peft_name(n, adapter), t, optimizer.get(n, {})) for n, t in weights.items() if n in trained]
     state = collect(backend, handle, trainer, entries, refused=unsharded)
-    if current().is_main:
+    if backend.ranks.is_main:
         portable.write_state(path, state)
 
 
