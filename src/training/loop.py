@@ -34,6 +34,7 @@ from .. import files
 from ..data import Batcher
 from ..distributed import Ranks
 from ..errors import MudpuppyError, OutOfDeviceMemory
+from ..memory.fit import out_of_memory
 from ..monitor.callbacks import Callback, Callbacks
 from ..output_dir.rundir import STAGING_FINAL, publish_staged, record
 from . import checkpoints, results
@@ -196,13 +197,6 @@ def stopped_at_once(step: int, newest: Path | None) -> str:
     where = f"the newest complete checkpoint is {newest}" if newest else "no checkpoint had been written yet"
     return (f"and stopped at once during step {step + 1}; nothing was saved; {where}. "
             "Continue with: mudpuppy run --config ... --resume")
-
-
-def out_of_memory(exc: OutOfDeviceMemory, step: int, newest: Path | None) -> OutOfDeviceMemory:
-    """Nothing of this step is saved; the newest complete checkpoint is where a resume starts."""
-    where = (f"the newest complete checkpoint, {newest}, is kept: continue from it with --resume once the run fits"
-             if newest else "no checkpoint had been written yet (training.save_steps writes them)")
-    return OutOfDeviceMemory(f"step {step + 1}: {exc} Nothing of this step was saved; {where}.")
 
 
 class Record:

@@ -35,7 +35,7 @@ from typing import Callable
 from .. import files
 from ..errors import MudpuppyError
 from ..evaluation.result import EvalResult
-from ..monitor.memory import MemoryPhases, with_memory
+from ..memory.phases import MemoryPhases, with_memory
 from ..output_dir import Claim, claim_output_dir, take_output_dir
 from ..output_dir.rundir import CONFIG
 from . import checkpoints, results, resume_changes
@@ -150,7 +150,7 @@ class Run:
 
     def callbacks(self) -> list:
         """What the loop reports to: results.run_callbacks, the peak memory of each phase (run_summary.json's
-        `memory`, monitor/memory.py), then the callbacks the caller of run() added."""
+        `memory`, memory/phases.py), then the callbacks the caller of run() added."""
         self.memory = MemoryPhases(self.backend)
         callbacks = results.run_callbacks(self.cfg, self.out, self.echo, self.ranks)
         return [*callbacks, *resume_changes.changes_line(callbacks, self.accepted), self.memory, *self.extra]

@@ -312,16 +312,6 @@ def test_out_of_memory_names_what_to_try_and_keeps_the_checkpoint(tiny_config, t
     assert "step-00000002" in text and (tmp_path / "run" / "checkpoints" / "step-00000002").is_dir()
 
 
-def test_out_of_memory_message_on_a_gpu_offers_offload_in_order():
-    from mudpuppy.config import TrainingConfig
-
-    training = TrainingConfig(micro_batch_size=1)
-    text = memory_mod.out_of_memory_message("rocm", training, "qlora", MemoryConfig(activation_offload=True), gpu=True)
-    assert "memory.activation_offload" not in text           # already on
-    assert text.index("memory.optimizer_offload") < text.index("memory.stream_layers") < text.index("sequence_len")
-    assert "micro_batch_size" not in text and "adapter.type" not in text
-
-
 @pytest.mark.parametrize("adapter", ["lora", "qlora"])
 def test_parameter_count_includes_weights_kept_outside_parameters(bf16_model_dir, adapter):
     from transformers import AutoModelForCausalLM

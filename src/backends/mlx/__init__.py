@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...errors import MudpuppyError
+from ...memory.fit import UNIFIED_MEMORY, check_memory_options
 from ..protocol import Availability
 
 INSTALL = "pip install 'mudpuppy[mlx]'  (or: pip install mlx mlx-lm; on Linux: pip install 'mlx[cpu]' mlx-lm)"
@@ -35,7 +36,7 @@ TORCHAO_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adamw_4bit": "AdamW4bit"}
 def create(availability: Availability, memory=None, optimizer: str = "adamw", deterministic: bool = False,
            **_options):
     """The backend, once the options MLX cannot honour are refused: before any model loads."""
-    check_memory_options(memory)
+    check_memory_options("mlx", memory, separate=False, reason=UNIFIED_MEMORY)
     check_optimizer(optimizer)
     if deterministic:
         raise MudpuppyError("training.deterministic switches torch's deterministic algorithms on; mlx has no such "
@@ -43,16 +44,6 @@ def create(availability: Availability, memory=None, optimizer: str = "adamw", de
     from .backend import MlxBackend
 
     return MlxBackend(availability.device, bool(availability.details.get("gpu")))
-
-
-def check_memory_options(memory) -> None:
-    """Offload and streaming move weights between device memory and host memory; MLX has one memory."""
-    asked = memory.requested() if memory is not None else []
-    if asked:
-        raise MudpuppyError(
-            f"{', '.join(asked)}: the mlx backend runs on unified memory (the CPU and the GPU share one memory), "
-            "so there is no host memory to offload or stream to; offload and streaming are for ROCm and CUDA GPUs "
-            "(turn them off on this backend)")
 
 
 def check_optimizer(name: str) -> None:

@@ -3,7 +3,8 @@ running out of memory well.
 
 Loading at storage precision lives in model/loading.py, host-resident frozen layers
 in model/frozen.py, optimizer offload in optimizers.py; this module holds the
-activation offload and the checks and messages they share.
+activation offload and torch's side of running out (the options check and the
+advice are runtime-neutral, in mudpuppy/memory/fit.py).
 """
 
 from __future__ import annotations
@@ -17,19 +18,11 @@ import sys
 
 import torch
 
-from ...errors import MudpuppyError, OutOfDeviceMemory
+from ...errors import OutOfDeviceMemory
+from ...memory.fit import out_of_memory_message
 
 M_MMAP_THRESHOLD = -3          # glibc's mallopt parameter number
 MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def check_memory_options(backend: str, memory, gpu: bool) -> None:
-    """Refuse, before any model loads, offload or streaming on a device whose memory is host memory."""
-    asked = memory.requested() if memory is not None else []
-    if asked and not gpu:
-        raise MudpuppyError(
-            f"{', '.join(asked)}: the {backend} backend computes in host memory, so there is nothing to move there; "
-            "offload and streaming are for ROCm and CUDA GPUs (turn them off on this backend)")
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -176,33 +169,6 @@ def _offloadable(value, device: torch.device) -> bool:
 
 
 # ---------------------------------------------------------------- running out
-
-
-def out_of_memory_message(backend: str, training_cfg, adapter_type: str | None, memory, gpu: bool) -> str:
-    """What to try after running out of device memory, most likely to help first, skipping what is on
-    (and the offload options where the device memory is host memory: nothing to offload to)."""
-    tries = []
-    if training_cfg.gradient_checkpointing is False:
-        tries.append("training.gradient_checkpointing: true (activations recomputed, not kept)")
-    if training_cfg.micro_batch_size > 1:
-        tries.append(f"a smaller training.micro_batch_size (now {training_cfg.micro_batch_size}) with "
-                     "training.gradient_accumulation_steps raised to keep the batch")
-    if adapter_type == "none":
-        tries.append("adapter.type: lora (only adapter weights train; no optimizer state for the base)")
-    elif adapter_type in ("lora", "dora"):
-        tries.append("adapter.type: qlora (the frozen base in 4 bits)")
-    wanted = [
-        ("optimizer_offload", "memory.optimizer_offload: true (optimizer state and fp32 master weights in host memory)"),
-        ("activation_offload", "memory.activation_offload: true (saved activations in host memory)"),
-        ("stream_layers", "memory.stream_layers: true (frozen base layers in host memory, visiting the device per use)"),
-    ]
-    for key, text in wanted if gpu else []:
-        if not (memory is not None and getattr(memory, key, False)):
-            if key != "stream_layers" or adapter_type not in (None, "none"):
-                tries.append(text)
-    tries.append("a shorter data.sequence_len")
-    listed = "; ".join(f"({i}) {t}" for i, t in enumerate(tries, 1))
-    return f"out of memory on the {backend} backend during a training step. To fit, try in this order: {listed}."
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from ....errors import MudpuppyError
 from ...protocol import Availability
 from ..backend import DevicePlan, TorchBackend
 from .gpu import make_deterministic
-from ..memory import check_memory_options
+from ....memory.fit import check_memory_options
 from ..optimizers import check_optimizer
 
 
@@ -40,7 +40,7 @@ def create(availability: Availability, precision: str | None = None, devices=Non
                             "(auto picks bf16 where the CPU runs it natively)")
     if devices:
         raise MudpuppyError("devices: picks GPUs; the cpu backend has none to pick (remove it or choose rocm/cuda)")
-    check_memory_options("cpu", memory, gpu=False)
+    check_memory_options("cpu", memory, separate=False)
     check_optimizer("cpu", optimizer, memory)
     fast_bf16 = bool(availability.details.get("bf16"))
     autocast = torch.bfloat16 if fast_bf16 else None

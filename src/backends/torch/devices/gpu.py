@@ -23,7 +23,7 @@ from ....distributed import from_environment, launched
 from ....errors import BackendUnavailable
 from ...protocol import Availability
 from ..handle import DevicePlan
-from ..memory import check_memory_options
+from ....memory.fit import check_memory_options
 from ..optimizers import check_optimizer
 from .sdpa import attention_report, describe_attention
 
@@ -450,7 +450,7 @@ def plan_gpu_run(kind: GpuKind, availability: Availability, devices: int | list[
                  deterministic: bool = False) -> DevicePlan:
     """What `create` of rocm.py and cuda.py does before the backend is built: refuse memory options and an
     optimizer this GPU cannot run before any model loads, then plan the run (and make it deterministic)."""
-    check_memory_options(kind.name, memory, gpu=True)
+    check_memory_options(kind.name, memory, separate=True)
     check_optimizer(kind.name, optimizer, memory)
     plan = plan_run(kind, availability, devices, precision, memory, optimizer, distributed)
     if deterministic:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mudpuppy import create_backend, load_config, run
-from mudpuppy.monitor.memory import MemoryPhases
+from mudpuppy.memory.phases import MemoryPhases
 
 
 class Counter:

@@ -12,7 +12,7 @@ shows it). `with_memory` puts them in the summary.
 
 from __future__ import annotations
 
-from .callbacks import Callback
+from ..monitor.callbacks import Callback
 
 
 class MemoryPhases(Callback):
