@@ -205,9 +205,5 @@ def end_run(out: Path) -> None:
         unlock(out)
 
 
-def is_locked_here(out: Path) -> bool:
-    return _key(out) in _held
-
-
 def _key(out: Path) -> str:
     return os.path.realpath(os.path.expanduser(out))

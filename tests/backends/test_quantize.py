@@ -21,7 +21,6 @@ from mudpuppy.backends.torch.quantization.formats import (
 from mudpuppy.backends.torch.quantization.linear4bit import (
     Linear4bit,
     dequantize_model,
-    model_memory_bytes,
     quantize_model,
 )
 from mudpuppy.errors import MudpuppyError
@@ -254,6 +253,17 @@ def test_quantized_tiny_llama_keeps_its_logits(tiny_model_dir):
         with torch.no_grad():
             logits = quantized(ids).logits
         assert relative_error(reference, logits) < LOGIT_BOUND
+
+
+def model_memory_bytes(model) -> int:
+    """Bytes held by a model's parameters and buffers, each shared tensor counted once: what quantizing frees."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
 
 
 @pytest.mark.parametrize("backend, expected_ratio", [("int4", 4 * 64 / (64 + 8)), ("mxfp4", 64 / 17)])

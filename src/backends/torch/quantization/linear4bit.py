@@ -329,17 +329,6 @@ def summarize_quantized(model: nn.Module) -> QuantReport | None:
     return QuantReport(layers[0].quant_backend, layers[0].group_size, len(layers), before, after)
 
 
-def model_memory_bytes(model: nn.Module) -> int:
-    """Bytes held by a model's parameters and buffers, each shared tensor counted once."""
-    seen: set[int] = set()
-    total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            total += tensor.numel() * tensor.element_size()
-    return total
-
-
 def is_skipped(name: str, skip_modules: tuple[str, ...] | list[str]) -> bool:
     """A module is skipped when its qualified name is, or ends with, an entry (``lm_head``, ``mlp.down_proj``)."""
     return any(name == entry or name.endswith("." + entry) for entry in skip_modules)
@@ -414,6 +403,5 @@ __all__ = [
     "Linear4bit",
     "QuantReport",
     "dequantize_model",
-    "model_memory_bytes",
     "quantize_model",
 ]
