@@ -7,6 +7,7 @@
     talk      chat, serve                     a model answering, in the terminal or over HTTP
     start     init, backends                  a first config; which runtimes work here
     parity    parity                          the same run on two runtimes, compared step by step
+    webui     ui                              a web page over a folder of runs (src/ui)
     common    error handling and the options several verbs share
     tables    the before/after table a run ends with
 
@@ -26,9 +27,10 @@ from .parity import parity
 from .runs import run, train
 from .start import backends, init
 from .talk import chat, serve
+from .webui import ui
 
 __all__ = ["main", "run", "train", "validate", "preprocess", "evaluate", "score", "export", "merge",
-           "convert_adapter", "chat", "serve", "init", "backends", "parity"]
+           "convert_adapter", "chat", "serve", "init", "backends", "parity", "ui"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -54,5 +56,5 @@ def _quiet_libraries() -> None:
 
 
 for _verb in (run, train, init, validate, preprocess, merge, score, evaluate, export, chat, serve, backends,
-              convert_adapter, parity):
+              convert_adapter, parity, ui):
     main.add_command(_verb)

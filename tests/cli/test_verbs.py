@@ -18,7 +18,7 @@ from mudpuppy.cli.tables import before_after_table
 from mudpuppy.evaluation import EvalResult
 
 VERBS = ["backends", "chat", "convert-adapter", "eval", "export", "init", "merge", "parity", "preprocess", "run",
-         "score", "serve", "train", "validate"]
+         "score", "serve", "train", "ui", "validate"]
 
 
 def test_every_verb_is_registered_and_importable_from_mudpuppy_cli():
