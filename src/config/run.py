@@ -14,7 +14,7 @@ from .data import DataConfig
 from .methods import (GptqConfig, GrpoConfig, OnlineDpoConfig, PreferenceConfig, QatConfig, RewardConfig,
                       RlooConfig, grpo_batch_problems)
 from .model import AdapterConfig, ModelConfig, residual_reference_problem
-from .training import DistributedConfig, EvalConfig, LoggingConfig, MemoryConfig, TrainingConfig
+from .training import DistributedConfig, EvalConfig, LoggingConfig, MemoryConfig, TrainingConfig, loraplus_problem
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "rocm", "mlx")
 # The methods on GRPO's rollout machinery, each with a section of its name.
@@ -109,6 +109,8 @@ class RunConfig(_Strict):
         if online is not None and online.beta > 0 and (ref := residual_reference_problem(
                 self.adapter, f"{self.method}.beta", f"set {self.method}.beta: 0 or adapter.init default")):
             problems.append(ref)
+        if (loraplus := loraplus_problem(self.training, self.adapter.type)) is not None:
+            problems.append(loraplus)
         if self.training.precision == "fp8" and (fp8 := fp8_problem(self.adapter.type, self.memory.stream_layers)):
             problems.append(fp8)
         if self.memory.stream_layers and self.adapter.type == "none":

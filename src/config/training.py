@@ -26,6 +26,10 @@ class TrainingConfig(_Strict):
         "adamw", description="adamw_8bit / adamw_4bit: torchao's low-bit AdamW states (torch backends, extra torchao)")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="sgd only")
     weight_decay: float = Field(0.0, ge=0.0)
+    loraplus_lr_ratio: float | None = Field(
+        None, gt=0, description="LoRA+ (PEFT's create_loraplus_optimizer): the B matrices (and 1-D trainable tensors: "
+                                "DoRA magnitudes, biases) learn at learning_rate times this ratio, A at "
+                                "learning_rate; biases take no weight decay; null: off. Needs an adapter")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
     max_grad_norm: float | None = Field(1.0, gt=0)
@@ -52,6 +56,15 @@ class TrainingConfig(_Strict):
         if self.early_stopping_patience and not self.eval_steps:
             raise ValueError("early_stopping_patience needs eval_steps (how often to measure held-out loss)")
         return self
+
+
+def loraplus_problem(training: TrainingConfig, adapter_type: str) -> str | None:
+    """Why training.loraplus_lr_ratio cannot apply to this adapter, or None."""
+    if training.loraplus_lr_ratio is not None and adapter_type == "none":
+        return ("training.loraplus_lr_ratio: LoRA+ sets the learning rate of LoRA's B matrices, and with "
+                "adapter.type none every weight trains in full (no A or B); use adapter.type lora, dora or qlora, "
+                "or remove the key")
+    return None
 
 
 class EvalConfig(_Strict):

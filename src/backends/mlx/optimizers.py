@@ -11,8 +11,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.optimizers as optim
+from mlx.utils import tree_map_with_path
 
 from ...errors import MudpuppyError
 
@@ -20,15 +23,58 @@ ADAM_EPS = 1e-8  # torch.optim.AdamW's default
 
 
 def build_optimizer(cfg) -> optim.Optimizer:
+    ratio = getattr(cfg, "loraplus_lr_ratio", None)
     if cfg.optimizer == "adamw":
-        return optim.AdamW(learning_rate=cfg.learning_rate, betas=[cfg.adam_beta1, cfg.adam_beta2],
-                           eps=ADAM_EPS, weight_decay=cfg.weight_decay, bias_correction=True)
-    if cfg.optimizer == "sgd":
-        return optim.SGD(learning_rate=cfg.learning_rate, momentum=getattr(cfg, "momentum", 0.0),
-                         weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adafactor":
-        return TorchAdafactor(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    raise MudpuppyError(f"training.optimizer {cfg.optimizer!r} is not available on MLX; use adamw, sgd or adafactor")
+        cls, kwargs = optim.AdamW, dict(betas=[cfg.adam_beta1, cfg.adam_beta2], eps=ADAM_EPS,
+                                        weight_decay=cfg.weight_decay, bias_correction=True)
+    elif cfg.optimizer == "sgd":
+        cls, kwargs = optim.SGD, dict(momentum=getattr(cfg, "momentum", 0.0), weight_decay=cfg.weight_decay)
+    elif cfg.optimizer == "adafactor":
+        cls, kwargs = TorchAdafactor, dict(weight_decay=cfg.weight_decay)
+    else:
+        raise MudpuppyError(f"training.optimizer {cfg.optimizer!r} is not available on MLX; use adamw, sgd or "
+                            "adafactor")
+    if ratio is not None:
+        return loraplus(cls)(learning_rate=cfg.learning_rate, loraplus_lr_ratio=ratio, **kwargs)
+    return cls(learning_rate=cfg.learning_rate, **kwargs)
+
+
+@functools.cache
+def loraplus(cls: type) -> type:
+    """`cls` with LoRA+'s rates, as torch's param groups (torch/optimizers.py: loraplus_groups) give them: a
+    LoRA B matrix (lora_b, experts' lora_b) or a 1-D tensor (DoRA's m, a bias) steps at learning_rate times
+    the ratio, a bias without weight decay; everything else at learning_rate. The state keeps its layout."""
+
+    class LoraPlus(cls):
+        def __init__(self, *, loraplus_lr_ratio: float, **kwargs):
+            super().__init__(**kwargs)
+            self.loraplus_lr_ratio = loraplus_lr_ratio
+
+        def apply_gradients(self, gradients: dict, parameters: dict):
+            if not self._initialized:
+                self.init(gradients)
+            for name, scheduler in self._schedulers.items():
+                self.state[name] = scheduler(self.step)
+            self.state["step"] = self.step + 1
+            rate, decay = self.learning_rate, getattr(self, "weight_decay", 0.0)
+
+            def one(path, gradient, parameter, state):
+                leaf = path.rsplit(".", 1)[-1]
+                fast = leaf == "lora_b" or parameter.ndim == 1
+                self.state["learning_rate"] = rate * self.loraplus_lr_ratio if fast else rate
+                if hasattr(self, "weight_decay"):
+                    self.weight_decay = 0.0 if leaf == "bias" else decay
+                return self.apply_single(gradient, parameter, state)
+
+            try:
+                return tree_map_with_path(one, gradients, parameters, self.state)
+            finally:
+                self.state["learning_rate"] = rate
+                if hasattr(self, "weight_decay"):
+                    self.weight_decay = decay
+
+    LoraPlus.__name__ = LoraPlus.__qualname__ = f"LoraPlus{cls.__name__}"
+    return LoraPlus
 
 
 class TorchAdafactor(optim.Optimizer):

@@ -38,6 +38,7 @@ LOW_BIT = {"adamw_8bit": "AdamW8bit", "adamw_4bit": "AdamW4bit"}
 TORCHAO_INSTALL = "pip install 'mudpuppy[torchao]'  (or: pip install torchao)"
 TORCHAO_MIN = (0, 11)                  # torchao.optim.AdamW8bit / AdamW4bit / CPUOffloadOptimizer
 BACKEND_DEVICE = {"cpu": "cpu", "cuda": "cuda", "rocm": "cuda"}   # ROCm shows as cuda in torch
+LORAPLUS_EMBEDDING_LR = 1e-6           # create_loraplus_optimizer's loraplus_lr_embedding default
 
 
 # ------------------------------------------------------------------ checks
@@ -87,15 +88,21 @@ def _torchao_version() -> tuple[int, int] | None:
 
 # ------------------------------------------------------------------ building
 
-def build_optimizer(params, cfg, plan):
+def build_optimizer(params, cfg, plan, model=None):
     """The optimizer `cfg.optimizer` over `params` (the trainable parameters, on `plan.device`).
 
     `cfg` is a TrainingConfig, `plan` a DevicePlan; `plan.memory.optimizer_offload` moves the
     state and fp32 master weights to `plan.host`. Whatever comes back has step(),
     zero_grad(set_to_none=True), param_groups (whose "lr" the trainer sets before each
-    step), state_dict() and load_state_dict().
+    step, times the group's "lr_ratio"), state_dict() and load_state_dict().
+    With `cfg.loraplus_lr_ratio` the parameters of `model` form LoRA+'s groups (`loraplus_groups`).
     """
     params = list(params)
+    layout = None
+    if getattr(cfg, "loraplus_lr_ratio", None) is not None:
+        groups = loraplus_groups(model, params, cfg)
+        params = [p for group in groups for p in group["params"]]
+        layout = [(len(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in groups]
     offload = bool(plan.memory is not None and plan.memory.optimizer_offload)
     if cfg.optimizer in LOW_BIT:
         update_device = plan.host.type if offload else plan.device.type
@@ -103,19 +110,24 @@ def build_optimizer(params, cfg, plan):
         if problem:
             raise MudpuppyError(f"training.optimizer: {cfg.optimizer} on the {plan.name} backend {problem}")
     if not offload:
-        return make_torch_optimizer(params, cfg)
-    if uses_torchao_offload(params, cfg, plan):
+        return make_torch_optimizer(params, cfg, layout)
+    if layout is None and uses_torchao_offload(params, cfg, plan):
         return _torchao_offload(params, cfg)
     pin = plan.device.type == "cuda" and plan.host.type == "cpu"   # pinned pages make the copies async
-    return HostOffloadOptimizer(params, lambda masters: make_torch_optimizer(masters, cfg), plan.host, pin)
+    return HostOffloadOptimizer(params, lambda masters: make_torch_optimizer(masters, cfg, layout), plan.host, pin)
 
 
-def make_torch_optimizer(params: list, cfg) -> torch.optim.Optimizer:
-    """`cfg.optimizer` over `params`, stepping wherever they live (device, or host masters)."""
+def make_torch_optimizer(params: list, cfg, layout=None) -> torch.optim.Optimizer:
+    """`cfg.optimizer` over `params`, stepping wherever they live (device, or host masters); `layout`
+    ((count, options) per group, in order) splits them into parameter groups."""
     lr, decay = cfg.learning_rate, cfg.weight_decay
     betas = (cfg.adam_beta1, cfg.adam_beta2)
+    flat = params
+    if layout is not None:
+        starts = [sum(count for count, _ in layout[:i]) for i in range(len(layout))]
+        params = [{"params": flat[start:start + count], **options} for start, (count, options) in zip(starts, layout)]
     if cfg.optimizer == "adamw":
-        on_cpu = all(p.device.type == "cpu" for p in params)
+        on_cpu = all(p.device.type == "cpu" for p in flat)
         kernel = {"fused": True} if on_cpu else {"foreach": True}
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=decay, **kernel)
     if cfg.optimizer in LOW_BIT:
@@ -124,6 +136,47 @@ def make_torch_optimizer(params: list, cfg) -> torch.optim.Optimizer:
         # Factored second moments: optimizer memory ~ rows + cols instead of rows x cols.
         return torch.optim.Adafactor(params, lr=lr, weight_decay=decay)
     return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=decay)
+
+
+def loraplus_groups(model, params: list, cfg) -> list[dict]:
+    """LoRA+ (Hayou et al. 2024) as PEFT's create_loraplus_optimizer groups the trainable parameters of
+    `model`: A matrices (and whatever else trains, a head's weight) at the learning rate; B matrices and
+    1-D tensors (DoRA magnitudes, biases) at `loraplus_lr_ratio` times it, biases and LayerNorm weights
+    without weight decay; LoRA on embeddings at PEFT's embedding rate (1e-6; mudpuppy adapts linear
+    layers only, so this group is empty). Each group carries "lr_ratio", its rate over the schedule's."""
+    from peft.tuners.lora.layer import Embedding
+
+    if model is None:
+        raise MudpuppyError("training.loraplus_lr_ratio: LoRA+ groups the parameters by name and needs the model")
+    stepped = {id(p) for p in params}
+    norms = {name for name, mod in model.named_modules() if isinstance(mod, torch.nn.LayerNorm)}
+    ratio, decay = cfg.loraplus_lr_ratio, cfg.weight_decay
+    groups = {"a": [], "embedding": [], "b": [], "b_no_decay": []}
+    for name, param in model.named_parameters():
+        if id(param) not in stepped:
+            continue
+        owner = ".".join(name.split(".")[:-2])
+        if owner and isinstance(model.get_submodule(owner), Embedding):
+            groups["embedding"].append(param)
+        elif "lora_B" in name or param.ndim == 1:
+            no_decay = "bias" in name or name.rpartition(".")[0] in norms
+            groups["b_no_decay" if no_decay else "b"].append(param)
+        else:
+            groups["a"].append(param)
+    if sum(map(len, groups.values())) != len(params):
+        raise MudpuppyError("training.loraplus_lr_ratio: some trainable parameters are not the model's own")
+    return [{"params": groups["a"], "weight_decay": decay, "lr_ratio": 1.0},
+            {"params": groups["embedding"], "weight_decay": decay,
+             "lr_ratio": LORAPLUS_EMBEDDING_LR / cfg.learning_rate},
+            {"params": groups["b"], "weight_decay": decay, "lr_ratio": ratio},
+            {"params": groups["b_no_decay"], "weight_decay": 0.0, "lr_ratio": ratio}]
+
+
+def state_order(optimizer, params: list) -> list[int]:
+    """For each of `params`, its index in `optimizer.state_dict()["state"]` (torch numbers parameters group
+    by group, so LoRA+'s groups number them in another order than the model's)."""
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    return [index[id(p)] for p in params]
 
 
 @functools.cache

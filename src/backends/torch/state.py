@@ -37,7 +37,7 @@ from ...files import CorruptFile, check_safetensors, check_torch_file
 from .. import portable_state as portable
 from ..adapters import RawTensor
 from ..state_check import check_state_fits
-from .optimizers import LOW_BIT
+from .optimizers import LOW_BIT, state_order
 from .safe_load import load_torch_file
 
 WEIGHTS = "trainable.safetensors"
@@ -130,8 +130,10 @@ def why_not_portable(handle, trainer) -> str | None:
 def portable_state(backend, handle, trainer, optimizer_state: dict) -> portable.PortableState:
     """This run's trainable tensors and optimizer moments in PEFT's names and layout."""
     params = dict(handle.model.named_parameters())
-    entries = ((slot.name, params[slot.native], optimizer_state.get(index, {}))
-               for index, slot in enumerate(portable_slots(handle.model)))
+    slots = portable_slots(handle.model)
+    order = state_order(trainer.optimizer, [params[slot.native] for slot in slots])
+    entries = ((slot.name, params[slot.native], optimizer_state.get(order[index], {}))
+               for index, slot in enumerate(slots))
     return collect(backend, handle, trainer, entries)
 
 
@@ -195,7 +197,8 @@ def load_portable(handle, trainer, path: Path, state: portable.PortableState) ->
             param = params[slot.native]
             param.copy_(torch_tensor(state.weights[slot.name]).to(param.device, param.dtype))
     groups = trainer.optimizer.state_dict()["param_groups"]
-    entries = {i: optimizer_entry(trainer.cfg, state, s.name) for i, s in enumerate(slots)}
+    order = state_order(trainer.optimizer, [params[s.native] for s in slots])
+    entries = {order[i]: optimizer_entry(trainer.cfg, state, s.name) for i, s in enumerate(slots)}
     trainer.optimizer.load_state_dict({"state": {i: e for i, e in entries.items() if e}, "param_groups": groups})
 
 

@@ -30,7 +30,7 @@ class TorchTrainer:
         if engine is not None and (cfg.optimizer != "adamw" and cfg.optimizer not in ("sgd", "adafactor")):
             raise MudpuppyError(f"training.optimizer: {cfg.optimizer} keeps state torch.distributed.checkpoint "
                                 "cannot shard; distributed runs use adamw, sgd or adafactor")
-        self.optimizer = build_optimizer(self.params, cfg, backend.plan)
+        self.optimizer = build_optimizer(self.params, cfg, backend.plan, handle.model)
         # fp16 gradients underflow to zero without a loss scale; bf16 and fp32 need none.
         self.scaler = None
         if backend.plan.loss_scaling and handle.autocast_dtype == torch.float16:
@@ -77,7 +77,7 @@ class TorchTrainer:
                 return ledger.result(grad_norm, skipped=True)
             # The optimizer's update, at the learning rate the loop's schedule gave.
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_ratio", 1.0)     # LoRA+'s B matrices: a multiple of it
             if self.scaler:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
