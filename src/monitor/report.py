@@ -29,14 +29,17 @@ from .metrics import METRICS
 LOSS_PNG = "loss.png"
 CARD = "README.md"
 
-# Each method's key curve beyond the loss: (file, title, [(metric, label)]).
+# Each method's key curves beyond the loss: (file, title, [(metric, label)]) each.
+REWARD = ("reward.png", "Reward", [("reward", "mean reward (sampled)"), ("eval_reward", "held-out reward (greedy)")])
+IMPLICIT = ("margins.png", "Implicit reward", [("reward_margin", "margin (chosen - rejected)"),
+                                               ("reward_accuracy", "accuracy")])
 METHOD_CURVES = {
-    "grpo": ("reward.png", "Reward", [("reward", "mean reward (sampled)"), ("eval_reward", "held-out reward (greedy)")]),
-    "preference": ("margins.png", "Implicit reward",
-                   [("reward_margin", "margin (chosen - rejected)"), ("reward_accuracy", "accuracy")]),
-    "rm": ("margins.png", "Reward model", [("reward_margin", "margin (chosen - rejected)"),
-                                           ("reward_accuracy", "accuracy")]),
-    "prm": ("accuracy.png", "Step accuracy", [("step_accuracy", "step accuracy")]),
+    "grpo": (REWARD,),
+    "rloo": (REWARD,),                       # GRPO's rollouts and reward names
+    "online_dpo": (REWARD, IMPLICIT),        # the sampled pairs' rewards, and DPO's implicit reward on them
+    "preference": (IMPLICIT,),
+    "rm": (("margins.png", "Reward model", IMPLICIT[2]),),
+    "prm": (("accuracy.png", "Step accuracy", [("step_accuracy", "step accuracy")]),),
 }
 
 
@@ -98,9 +101,7 @@ def write_charts(out: Path, method: str, rows: list[dict], place=lambda name: na
         if target is not None:
             fig.savefig(out / target)
             written.append(target)
-    curve = METHOD_CURVES.get(method)
-    if curve is not None:
-        name, title, keys = curve
+    for name, title, keys in METHOD_CURVES.get(method, ()):
         present = [(k, label, *series(rows, k)) for k, label in keys]
         present = [p for p in present if p[2]]
         if present:
