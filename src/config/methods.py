@@ -1,4 +1,4 @@
-"""The method sections: `preference`, `reward`, `grpo`, `rloo`, `online_dpo`, `gptq` and `qat`, each read
+"""The method sections: `preference`, `reward`, `grpo`, `rloo`, `online_dpo`, `distill`, `gptq` and `qat`, each read
 under its own method only (RunConfig fills in or refuses them). Whether the online methods' reward specs,
 tools and environment name something usable is the check step's (`mudpuppy.configure`): their syntax lives
 in `rewards/`."""
@@ -165,6 +165,35 @@ class OnlineDpoConfig(SamplingConfig):
                                                                         "summed log-ratios")
     missing_eos_penalty: float | None = Field(
         None, description="subtracted from the reward of a completion cut at max_completion_length; null: none")
+
+
+class DistillConfig(_Strict):
+    """`method: distill`: knowledge distillation from a frozen teacher sharing the student's tokenizer, GKD's
+    mix of off-policy (the data's completions) and on-policy (the student's samples) micro-batches, and TRL
+    1.16's divergences. See docs/methods.md#distillation."""
+
+    teacher: str = Field(min_length=1, description="the teacher: HF directory, hub id or alias, any family "
+                                                    "mudpuppy loads, with the student's vocabulary")
+    teacher_revision: str | None = Field(None, description="hub revision of the teacher")
+    teacher_quantize: bool = Field(False, description="load the teacher's linear layers as 4-bit codes (QLoRA's "
+                                                      "int4 groups of 64) instead of at its storage precision")
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
+        "jsd", description="forward_kl: KL(teacher || student); reverse_kl: KL(student || teacher); jsd: the "
+                           "generalized Jensen-Shannon divergence at beta")
+    beta: float = Field(0.5, gt=0.0, lt=1.0, description="jsd: the mixture's teacher weight (TRL's beta; "
+                                                          "forward_kl is beta 0, reverse_kl beta 1)")
+    temperature: float = Field(0.9, gt=0, description="divides both models' logits in the loss, and the "
+                                                       "student's when it samples")
+    top_k: int = Field(0, ge=0, description="0: the teacher's whole vocabulary; k: its k likeliest tokens and "
+                                            "one bucket for the rest (TRL's tail bucket)")
+    lmbda: float = Field(0.5, ge=0.0, le=1.0, description="share of micro-batches on-policy (GKD's lmbda): "
+                                                          "the student continues the prompt, the teacher scores")
+    max_completion_length: int = Field(128, gt=0, description="on-policy: tokens sampled at most per completion")
+
+    @property
+    def trl_beta(self) -> float:
+        """TRL's beta for this loss: 0 forward KL, 1 reverse KL, else the JSD's mixture weight."""
+        return {"forward_kl": 0.0, "reverse_kl": 1.0}.get(self.loss, self.beta)
 
 
 def power_of_two_group(v: int) -> int:

@@ -11,8 +11,8 @@ from pydantic import Field, field_validator, model_validator
 
 from .base import _Strict
 from .data import DataConfig
-from .methods import (GptqConfig, GrpoConfig, OnlineDpoConfig, PreferenceConfig, QatConfig, RewardConfig,
-                      RlooConfig, grpo_batch_problems)
+from .methods import (DistillConfig, GptqConfig, GrpoConfig, OnlineDpoConfig, PreferenceConfig, QatConfig,
+                      RewardConfig, RlooConfig, grpo_batch_problems)
 from .model import AdapterConfig, ModelConfig, residual_reference_problem
 from .training import DistributedConfig, EvalConfig, LoggingConfig, MemoryConfig, TrainingConfig, loraplus_problem
 
@@ -25,7 +25,7 @@ class RunConfig(_Strict):
     model: ModelConfig
     backend: Literal[BACKEND_NAMES] = "auto"  # type: ignore[valid-type]
     devices: list[int] | None = Field(None, description="GPU indices (after *_VISIBLE_DEVICES); default: the first usable")
-    method: Literal["sft", "preference", "rm", "prm", "grpo", "rloo", "online_dpo", "gptq",
+    method: Literal["sft", "preference", "rm", "prm", "grpo", "rloo", "online_dpo", "distill", "gptq",
                     "qat"] = "sft"
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     data: DataConfig
@@ -44,6 +44,8 @@ class RunConfig(_Strict):
     rloo: RlooConfig | None = Field(None, description="method: rloo only (reward_funcs is required there)")
     online_dpo: OnlineDpoConfig | None = Field(None, description="method: online_dpo only (reward_funcs is "
                                                                  "required there)")
+    distill: DistillConfig | None = Field(None, description="method: distill only (distill.teacher is required "
+                                                            "there)")
     gptq: GptqConfig | None = Field(None, description="method: gptq only")
     qat: QatConfig | None = Field(None, description="method: qat only")
 
@@ -87,13 +89,18 @@ class RunConfig(_Strict):
                     fix = "use an adapter" if name == "online_dpo" else f"with adapter.type none set {name}.beta: 0"
                     problems.append(f"{name}.beta: a KL to the reference needs an adapter (the reference is the "
                                     f"base with the adapter off); {fix}")
+        if self.method == "distill" and self.distill is None:
+            problems.append("distill: method distill needs a distill section naming the teacher (for example: "
+                            "distill: {teacher: HuggingFaceTB/SmolLM2-360M-Instruct})")
+        elif self.method != "distill" and self.distill is not None:
+            problems.append(f"distill: this section applies to method: distill (this config has method: {self.method})")
         for name, section in (("gptq", GptqConfig), ("qat", QatConfig)):
             if self.method == name:
                 if getattr(self, name) is None:
                     setattr(self, name, section())
             elif getattr(self, name) is not None:
                 problems.append(f"{name}: this section applies to method: {name} (this config has method: {self.method})")
-        if self.method in ("preference", "rm", "prm", *ONLINE) and self.data.packing:
+        if self.method in ("preference", "rm", "prm", "distill", *ONLINE) and self.data.packing:
             problems.append(f"data.packing: packing is for sft; method {self.method} batches whole sequences "
                             "(set it to false)")
         pref = self.preference if self.method == "preference" else None
@@ -131,8 +138,8 @@ class RunConfig(_Strict):
             return "grpo"             # every online method samples from GRPO's rl prompts
         if self.method == "preference":
             return self.preference.type
-        if self.method in ("gptq", "qat"):
-            return "sft"              # calibration / training examples are SFT data
+        if self.method in ("gptq", "qat", "distill"):
+            return "sft"              # calibration / training examples / distillation's completions are SFT data
         return self.method
 
     def resolve_path(self, path: str) -> Path:

@@ -14,6 +14,11 @@ def _run_gptq(cfg, backend, overwrite=False, echo=print, callbacks=()):
     return run_gptq(cfg, backend, overwrite=overwrite, echo=echo)     # no optimizer step for callbacks to hear
 
 
+def _run_distill(cfg, backend, overwrite=False, echo=print, callbacks=()):
+    from .distill import run_distill        # imported when used, as gptq and qat
+    return run_distill(cfg, backend, overwrite=overwrite, echo=echo, callbacks=callbacks)
+
+
 def _run_qat(cfg, backend, overwrite=False, echo=print, callbacks=()):
     from .qat import run_qat
     return run_qat(cfg, backend, overwrite=overwrite, echo=echo, callbacks=callbacks)
@@ -21,7 +26,7 @@ def _run_qat(cfg, backend, overwrite=False, echo=print, callbacks=()):
 
 METHODS = {"sft": run_sft, "preference": run_preference, "rm": run_reward, "prm": run_reward, "grpo": run_grpo,
            "rloo": run_grpo, "online_dpo": run_grpo,       # GRPO's recipe with their own objectives
-           "gptq": _run_gptq, "qat": _run_qat}
+           "distill": _run_distill, "gptq": _run_gptq, "qat": _run_qat}
 
 
 def run(cfg, backend=None, overwrite: bool = False, echo=print, allow_changes: bool = False,

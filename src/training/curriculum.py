@@ -54,14 +54,14 @@ STATE = "curriculum.json"
 REPORT = "curriculum.md"
 CHART = "curriculum_{}.png"
 # What a stage may change; the model and adapter carry through, the output directory is the curriculum's.
-STAGE_KEYS = {"name", "method", "backend", "devices", "data", "training", "eval", "preference", "grpo", "rloo", "online_dpo", "memory",
-              "logging", "merge", "merge_dtype"}
+STAGE_KEYS = {"name", "method", "backend", "devices", "data", "training", "eval", "preference", "grpo", "rloo", "online_dpo", "distill",
+              "memory", "logging", "merge", "merge_dtype"}
 CARRIED = {"model": "the model carries through the curriculum", "adapter": "the adapter carries through the curriculum",
            "output_dir": "each stage writes to output_dir/stage-N-name", "stages": "stages do not nest",
            "resume": "a curriculum resumes by itself (run it again)", "reward": "reward models are not stages"}
 # Method sections: kept for the stages whose method reads them, dropped for the others.
 SECTIONS = {"preference": {"preference"}, "grpo": {"grpo"}, "rloo": {"rloo"}, "online_dpo": {"online_dpo"},
-            "reward": {"rm", "prm"}}
+            "distill": {"distill"}, "reward": {"rm", "prm"}}
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 

@@ -275,6 +275,13 @@ class MlxBackend:
     def _router_aux(handle: MlxModel, tape: list | None, batch, grad: bool) -> mx.array:
         if tape is None:
             return mx.zeros(())
+    def token_divergence(self, handle: MlxModel, teacher: MlxModel, batch, divergence, grad: bool = True,
+                         temperature: float = 1.0, top_k: int = 0) -> mx.array:
+        """Distillation's loss, the heads a chunk of positions at a time (divergence.py)."""
+        from .divergence import token_divergence
+
+        return token_divergence(handle, teacher, batch, divergence, grad, temperature, top_k)
+
         term = router_aux_loss(handle, tape, batch)
         return term if grad else mx.stop_gradient(term)
 

@@ -138,6 +138,13 @@ class TorchForward:
         return logprobs.token_logprobs(self, handle, batch, grad, temperature, reference, entropy, router_aux)
 
     @gathered
+    def token_divergence(self, handle: TorchModel, teacher: TorchModel, batch, divergence, grad: bool = True,
+                         temperature: float = 1.0, top_k: int = 0) -> torch.Tensor:
+        from .divergence import token_divergence
+
+        return token_divergence(self, handle, teacher, batch, divergence, grad, temperature, top_k)
+
+    @gathered
     def sample(self, handle: TorchModel, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                sampling, seed: int) -> list[list[int]]:
         from .generation.sampling import sample
