@@ -12,10 +12,12 @@ at the end the trained adapter (or, for full fine-tuning, every weight) in PEFT
 layout. The figures are held to tolerances by precision class (TOLERANCES, whose
 numbers and how they were measured are in docs/cli.md#mudpuppy-parity).
 
-Supports: method sft (lora, dora, full) and method preference (dpo, ipo, simpo,
-orpo, kto), any pair of backends. Refuses what cannot give the same numbers on
+Supports: method sft (lora, dora, full), method preference (dpo, ipo, simpo,
+orpo, kto) and method distill's off-policy mode (the teacher loaded on each side
+from its checkpoint; distill.lmbda pinned to 0, since on-policy micro-batches are
+sampled from each runtime's own random stream), any pair of backends. Refuses what cannot give the same numbers on
 two runtimes by design: GRPO (sampled rollouts), reward and QAT/GPTQ methods,
-QLoRA (each runtime has its own 4-bit format), adapter dropout (each runtime
+QLoRA and a quantized teacher (each runtime has its own 4-bit format), adapter dropout (each runtime
 draws its own masks). Everything is written in a temporary directory; the
 config's output_dir is never touched.
 """
@@ -139,8 +141,12 @@ class ParityResult:
 def check_supported(cfg) -> None:
     """Refuse, in one message, a config whose two runs cannot give the same numbers by design."""
     if cfg.method in REFUSED_METHODS:
-        raise MudpuppyError(f"method {cfg.method}: parity compares sft and preference runs; "
+        raise MudpuppyError(f"method {cfg.method}: parity compares sft, preference and distill runs; "
                             f"{REFUSED_METHODS[cfg.method]}")
+    if cfg.method == "distill" and cfg.distill.teacher_quantize:
+        raise MudpuppyError("distill.teacher_quantize: each runtime quantizes the teacher to its own 4-bit format, "
+                            "so the two runs differ by the quantization, not the runtime; compare with "
+                            "--set distill.teacher_quantize=false")
     if cfg.adapter.type == "qlora":
         raise MudpuppyError("adapter.type qlora: each runtime quantizes the base to its own 4-bit format, so the "
                             "two runs differ by the quantization, not the runtime; compare with adapter.type lora")
@@ -160,6 +166,16 @@ def pin_precision(cfg):
     return cfg.model_copy(update={"training": cfg.training.model_copy(update={"precision": "fp32"})})
 
 
+def off_policy(cfg, echo):
+    """distill's config with lmbda pinned to 0: on-policy micro-batches are sampled from each runtime's own
+    random stream, so parity compares the off-policy mode (the teacher over the data's completions)."""
+    if cfg.method != "distill" or cfg.distill.lmbda == 0:
+        return cfg
+    echo(f"distill.lmbda {cfg.distill.lmbda:g} pinned to 0: parity compares distillation's off-policy mode "
+         "(on-policy samples come from each runtime's own random stream)")
+    return cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"lmbda": 0.0})})
+
+
 def tolerance_class(precision: str) -> str:
     """fp32 for fp32, bf16 for the 16-bit precisions."""
     return "fp32" if precision == "fp32" else "bf16"
@@ -170,12 +186,17 @@ def tolerance_class(precision: str) -> str:
 def run_parity(cfg, backends: list, names: list[str], steps: int, echo=print) -> ParityResult:
     """Run `steps` optimizer steps of `cfg` on both backends from the same start; compare as they go."""
     check_supported(cfg)
-    cfg = pin_precision(cfg)
+    cfg = off_policy(pin_precision(cfg), echo)
     method = cfg.data_method()
     loaded = load_data(cfg, method)                  # data problems surface before any model loads
+    if cfg.method == "distill":
+        from .distill import check_vocabularies
+
+        check_vocabularies(cfg)
     sides = [Side(n, b) for n, b in zip(names, backends)]
     klass = tolerance_class(cfg.training.precision)
-    result = ParityResult(tuple(names), tuple(b.device for b in backends), method, cfg.adapter.type,
+    shown = "distill" if cfg.method == "distill" else method      # the data method is sft's there
+    result = ParityResult(tuple(names), tuple(b.device for b in backends), shown, cfg.adapter.type,
                           cfg.training.precision, klass, TOLERANCES[klass], steps, 0)
     with tempfile.TemporaryDirectory(prefix="mudpuppy-parity-") as tmp:
         work = Path(tmp)
@@ -185,7 +206,7 @@ def run_parity(cfg, backends: list, names: list[str], steps: int, echo=print) ->
             side.batcher = Batcher.from_config(items, cfg, side.handle.tokenizer.pad_token_id,
                                                collate_fn=collate_for(method))
             side.trainer = side.backend.create_trainer(side.handle, cfg.training)
-            side.objective = objective_for(cfg, side.backend)
+            side.objective = objective_for(cfg, side.backend, side.name)
         result.run_steps = total_steps_for(cfg, sides[0].batcher)
         n = min(steps, result.run_steps)
         if n < steps:
@@ -242,7 +263,7 @@ def attach(cfg, side: Side, adapter_cfg):
 def training_items(cfg, side: Side, loaded, method: str) -> list:
     """This side's training items, tokenized by its own tokenizer, prepared as the method's recipe does."""
     data = prepare_data(cfg, side.handle.tokenizer, loaded, method=method)
-    if cfg.method == "sft":
+    if cfg.method in ("sft", "distill"):
         return data.train
     from ..data.pairs import drop_screened, kto_items, pair_items, screen_records
     from .preference import precompute_reference
@@ -267,9 +288,17 @@ def collate_for(method: str):
     return collate if method == "sft" else collate_items
 
 
-def objective_for(cfg, backend):
+def objective_for(cfg, backend, name: str):
     if cfg.method == "sft":
         return None
+    if cfg.method == "distill":
+        from .distill import DistillObjective, load_teacher
+
+        try:
+            teacher = load_teacher(cfg, backend)
+        except MudpuppyError as exc:
+            raise MudpuppyError(f"{name} cannot load the teacher: {exc}") from exc
+        return DistillObjective(backend, teacher, cfg.distill)
     from .preference import PreferenceObjective
 
     return PreferenceObjective(backend, cfg.preference)
