@@ -36,6 +36,14 @@ RUN_CONFIG = "config.yaml"          # what makes a directory a run (evaluation.t
               help="gguf, ollama K-quants: an importance matrix, from llama-imatrix (its GGUF or legacy .dat "
                    "file) or, with auto, collected from the run's own training data and written beside the GGUF "
                    "(imatrix.gguf); each block's search weighs the columns as llama-quantize --imatrix does.")
+@click.option("--eval-data", default=None, metavar="FILE",
+              help="gguf, ollama: measure the written GGUF's held-out perplexity, and the merged model's, on this "
+                   "data file (default: the run's held-out sets; a model or adapter is measured only with it).")
+@click.option("--eval-tokens", default=None, type=int, metavar="N",
+              help="gguf, ollama: the perplexity reads the held-out data's first N tokens (default 4096).")
+@click.option("--no-eval", "no_eval", is_flag=True,
+              help="gguf, ollama: skip the held-out perplexity (measured through mudpuppy's dequantized "
+                   "evaluation, and llama.cpp's where llama_cpp imports).")
 @click.option("--base-model", default=None, help="Base model for an adapter directory that does not name one.")
 @click.option("--chat-template", default=None,
               help="For adapters and models without a run config: a built-in template name or Jinja "
@@ -45,17 +53,20 @@ RUN_CONFIG = "config.yaml"          # what makes a directory a run (evaluation.t
               help="Let Python files that came with the model run (auto_map); never taken from a run's config.yaml.")
 @debug_option
 @handle_errors
-def export(source, fmt, out_dir, dtype, quant, imatrix, base_model, chat_template, overwrite, trust_remote_code,
-           debug):
+def export(source, fmt, out_dir, dtype, quant, imatrix, eval_data, eval_tokens, no_eval, base_model, chat_template,
+           overwrite, trust_remote_code, debug):
     """Export a run, adapter or model as merged safetensors, GGUF, Ollama or MLX (docs/export.md).
 
     SOURCE is a run directory, an adapter directory, a model directory, a .gguf file or a model alias.
     """
     from ..export import ExportRequest, export_model
+    from ..export.quality import check_eval_options
 
+    check_eval_options(fmt, not no_eval, eval_data, eval_tokens)      # before the default --out is worked out
     out_dir = out_dir or str(default_export_dir(source, fmt, dtype, quant))
     result = export_model(ExportRequest(source, fmt, out_dir, dtype, quant, overwrite, base_model, chat_template,
-                                        trust_remote_code=trust_remote_code, imatrix=imatrix), echo=click.echo)
+                                        trust_remote_code=trust_remote_code, imatrix=imatrix, evaluate=not no_eval,
+                                        eval_data=eval_data, eval_tokens=eval_tokens), echo=click.echo)
     click.echo(f"exported {fmt} to {result.out}: {', '.join(result.files)}")
     if fmt == "ollama":
         click.echo(f"  ollama create NAME -f {result.out / 'Modelfile'}")

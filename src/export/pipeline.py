@@ -1,9 +1,11 @@
 """`mudpuppy export`: one source, one format, one output directory.
 
 Every check that needs no weights runs first (options, the output directory, the source, the
-architecture and tokenizer for GGUF, the chat layout for Ollama, an --imatrix file,
-mlx-lm for MLX), so a mistake costs seconds, not a merge. Every format gets a model card (card.py:
-the base by its Hub id, where its weights came from, how to load the export).
+architecture and tokenizer for GGUF, the chat layout for Ollama, an --imatrix file, the held-out data
+a GGUF's perplexity is measured on, mlx-lm for MLX), so a mistake costs seconds, not a merge. A GGUF's
+report ends with its held-out perplexity beside the merged model's (quality.py; --no-eval skips it).
+Every format gets a model card (card.py: the base by its Hub id, where its weights came from, how to
+load the export).
 
 The export keeps the output contract (mudpuppy.output_dir): --out is locked for the whole export, the export is
 built in a hidden folder beside it and renamed into place only once complete; with --overwrite only
@@ -25,6 +27,7 @@ from . import gguf as gguf_format
 from . import mlx as mlx_format
 from .card import CARD, export_card
 from .chat_layout import LayoutError, TurnLayout, infer_layout, turn_tokens
+from .quality import Heldout, check_eval_options, heldout_for, measure_gguf
 from .source import ExportSource, resolve_source
 
 FORMATS = ("merged", "gguf", "ollama", "mlx")
@@ -47,6 +50,9 @@ class ExportRequest:
     backend: str = "cpu"              # the torch backend that merges
     trust_remote_code: bool = False   # --trust-remote-code: model code may run (never from a run's config.yaml)
     imatrix: str | None = None        # gguf, ollama K-quants: an importance-matrix file (llama-imatrix's forms)
+    evaluate: bool = True             # gguf, ollama: the written quant's held-out perplexity (quality.py)
+    eval_data: str | None = None      # ... on this data file instead of the run's held-out sets
+    eval_tokens: int | None = None    # ... on its first N tokens (default quality.EVAL_TOKENS)
 
 
 @dataclass
@@ -77,6 +83,7 @@ def check_options(fmt: str, dtype: str | None, quant: str | None) -> tuple[str |
 
 def export_model(req: ExportRequest, echo=print) -> ExportResult:
     dtype, quant = check_options(req.format, req.dtype, req.quant)
+    check_eval_options(req.format, req.evaluate, req.eval_data, req.eval_tokens)
     check_chat_template(req.chat_template)
     with writing(req.out, EXPORT, req.overwrite, what="--out", echo=echo) as out:
         src = resolve_source(req.source, req.base_model, req.chat_template, req.trust_remote_code)
@@ -87,7 +94,8 @@ def export_model(req: ExportRequest, echo=print) -> ExportResult:
         tokenizer = src.load_tokenizer()
         layout = preflight(src, req.format, quant, tokenizer)
         weights = importance(req.imatrix, req.format, quant, src, echo)
-        record = write_export(req, src, tokenizer, layout, dtype, quant, out, echo, weights)
+        heldout = heldout_data(req, src, tokenizer, echo)
+        record = write_export(req, src, tokenizer, layout, dtype, quant, out, echo, weights, heldout)
     record["files"] = out.names               # stamped into export.json by the publish: what this export wrote
     return ExportResult(out.shown, out.names, record)
 
@@ -114,15 +122,26 @@ def importance(path: str | None, fmt: str, quant: str | None, src: ExportSource,
     return matrix.weights
 
 
+def heldout_data(req: ExportRequest, src: ExportSource, tokenizer, echo) -> Heldout | None:
+    """What a GGUF's perplexity is measured on (read and tokenized before any merge), None when not measured."""
+    if req.format not in ("gguf", "ollama") or not req.evaluate:
+        return None
+    found = heldout_for(src, tokenizer, req.eval_data, req.eval_tokens)
+    if isinstance(found, str):
+        echo(f"held-out perplexity: not measured: {found}")
+        return None
+    return found
+
+
 def write_export(req: ExportRequest, src: ExportSource, tokenizer, layout, dtype, quant, out, echo,
-                 imatrix: dict | str | None = None) -> dict:
+                 imatrix: dict | str | None = None, heldout: Heldout | None = None) -> dict:
     """The format's files, its card and export.json, in the staging folder `out.dir` (output_dir.Writing);
     returns the record."""
     started = time.monotonic()
     staging, work = out.dir, out.scratch()
     src.dequantize_into(work, echo)
     record = write_format(req.format, src, tokenizer, layout, dtype, quant, staging, work, req.backend, echo,
-                          imatrix)
+                          imatrix, heldout)
     record.update(source=req.source, source_kind=src.kind, described=src.describe(), format=req.format,
                   base=src.base, finetune=src.finetune, seconds=round(time.monotonic() - started, 1))
     # The card last: it states what the format wrote (mlx_lm.convert's own, front matter only, is replaced).
@@ -160,7 +179,7 @@ def preflight(src: ExportSource, fmt: str, quant: str | None, tokenizer) -> Turn
 
 
 def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, staging: Path, work: Path,
-                 backend_name: str, echo, imatrix: dict | str | None = None) -> dict:
+                 backend_name: str, echo, imatrix: dict | str | None = None, heldout: Heldout | None = None) -> dict:
     from ..backends import create_backend
 
     if fmt == "merged":
@@ -195,6 +214,9 @@ def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, s
                                              base.get("hub_id") if fine_tuned else None, imatrix)}
     for note in record["gguf"]["notes"]:
         echo(f"note: {note}")
+    if heldout is not None:
+        record["perplexity"] = measure_gguf(staging / name, quant, model_dir, heldout, src.cfg.model,
+                                            create_backend(backend_name), src.cfg.eval.batch_size, work, echo)
     if fmt == "ollama":
         from .ollama import modelfile, sampling_parameters, stop_words
 
