@@ -24,11 +24,14 @@ METHODS = {
     "simpo": ("preference", "lora", "simpo"), "orpo": ("preference", "lora", "orpo"),
     "kto": ("preference", "lora", "kto"), "preference": ("preference", "lora", "dpo"),
     "grpo": ("grpo", "lora", None), "rl": ("grpo", "lora", None),
+    "rloo": ("rloo", "lora", None), "online_dpo": ("online_dpo", "lora", None), "online-dpo": ("online_dpo", "lora", None),
     "rm": ("rm", "lora", None), "prm": ("prm", "lora", None),
     "gptq": ("gptq", "none", None), "qat": ("qat", "none", None),
 }
 PRECISIONS = {"auto": "auto", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
 MERGE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+# The online methods on GRPO's rollouts: each has its own section, with reward functions (--reward).
+ONLINE = ("grpo", "rloo", "online_dpo")
 
 
 def data_path(value: str, flag: str) -> str:
@@ -72,10 +75,10 @@ def train_config(model: str, data: str, method: str = "lora", output: str = "out
         cfg["model"]["trust_remote_code"] = True
     if pref:
         cfg["preference"] = {"type": pref}
-    if run_method == "grpo":
-        cfg["grpo"] = {"reward_funcs": list(rewards) or ["exact_match"]}
+    if run_method in ONLINE:
+        cfg[run_method] = {"reward_funcs": list(rewards) or ["exact_match"]}
     elif rewards:
-        raise MudpuppyError("--reward applies to --method grpo (rl)")
+        raise MudpuppyError("--reward applies to --method grpo (rl), rloo and online_dpo")
     if val_data:
         cfg["data"]["val_datasets"] = [{"path": data_path(val_data, "--val-data")}]
     t, d, a = cfg["training"], cfg["data"], cfg["adapter"]
@@ -84,8 +87,9 @@ def train_config(model: str, data: str, method: str = "lora", output: str = "out
         "learning_rate": learning_rate, "max_steps": max_steps, "lr_scheduler": lr_scheduler,
         "warmup_steps": warmup_steps, "gradient_checkpointing": gradient_checkpointing,
         "eval_steps": eval_steps, "save_steps": save_steps, "seed": seed}.items() if v is not None})
-    if run_method == "grpo":
-        t.setdefault("micro_batch_size", 8)      # one group of grpo.num_generations (8) completions per step
+    if run_method in ONLINE:
+        # Whole groups per micro-batch: one of grpo.num_generations (8), four of rloo's (2) or four pairs.
+        t.setdefault("micro_batch_size", 8)
     if max_steps is None:
         t["epochs"] = epochs if epochs is not None else 1
     elif epochs is not None:
@@ -138,7 +142,7 @@ model:
   base_model: {model}          # HF directory, Hub id, .gguf file, or the alias smollm2-135m-instruct
 
 backend: {backend}                  # auto, cpu, cuda, rocm or mlx (--backend overrides it)
-method: {method}                  # sft, preference, rm, prm, grpo, gptq or qat
+method: {method}                  # sft, preference, rm, prm, grpo, rloo, online_dpo, gptq or qat
 {method_section}
 adapter:
   type: {adapter}                   # lora, dora, qlora (4-bit base), or none (full fine-tuning)
@@ -178,13 +182,20 @@ def init_config_text(path: Path, model: str, data: str, method: str, backend: st
     elif run_method == "grpo":
         section = ("grpo:\n  reward_funcs: [exact_match]      # built-ins, file.py:function or module:function\n"
                    "  num_generations: 8\n  max_completion_length: 64\n")
+    elif run_method == "rloo":
+        section = ("rloo:\n  reward_funcs: [exact_match]      # built-ins, file.py:function or module:function\n"
+                   "  num_generations: 4               # each answer's baseline: the mean of the other 3\n"
+                   "  max_completion_length: 64\n  beta: 0.05                       # KL to the reference, in the reward\n")
+    elif run_method == "online_dpo":
+        section = ("online_dpo:\n  reward_funcs: [exact_match]      # rank the two answers sampled per prompt\n"
+                   "  max_completion_length: 64\n  beta: 0.1                        # DPO's pull towards the reference\n")
     base = path.parent.resolve()
     data_abs = data_path(data, "data")
     shown = _relative(data_abs, base)
     val_block = ""
     if val_data:
         val_block = f"  val_datasets:\n    - path: {_relative(data_path(val_data, 'validation data'), base)}\n"
-    lr = "5.0e-6" if run_method in ("preference", "grpo") else "2.0e-4"
+    lr = "5.0e-6" if run_method in ("preference", *ONLINE) else "2.0e-4"
     text = CONFIG_TEMPLATE.format(path=path, model=model, backend=backend, method=run_method,
                                   method_section=("\n" + section) if section else "", adapter=adapter,
                                   data=shown, val_block=val_block, sequence_len=sequence_len, lr=lr, output=output)
