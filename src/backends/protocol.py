@@ -286,7 +286,10 @@ class BackendProtocol(Protocol):
     def save_model(self, handle: ModelHandle, path: str) -> None: ...
 
     # -- adapters
-    def attach_adapter(self, handle: ModelHandle, adapter_cfg: "AdapterConfig") -> AdapterInfo: ...
+    def attach_adapter(self, handle: ModelHandle, adapter_cfg: "AdapterConfig",
+                       batches: "list[Batch] | None" = None) -> AdapterInfo:
+        """The adapter on the loaded model; `batches` (the run's training batches) are what adapter.init eva
+        decomposes, None for every other initialisation."""
 
     def quantize_base(self, handle: ModelHandle, adapter_cfg: "AdapterConfig") -> Any:
         """Replace the base's linear layers by frozen 4-bit ones (QLoRA); returns a report."""

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from .base import _Strict
 
 _PISSA_NITER = re.compile(r"pissa_niter_[1-9][0-9]*")
+EVA_RHO = 2.0          # PEFT's EvaConfig.rho
 
 
 class ModelConfig(_Strict):
@@ -53,8 +54,13 @@ class AdapterConfig(_Strict):
         "default", description="LoRA's starting weights (PEFT's init_lora_weights): default (A kaiming-uniform, B "
                                "zero), gaussian (A normal, std 1/r), pissa (A, B the top-r singular triplets of each "
                                "weight, the base their residual), pissa_niter_N (the same by N-iteration randomized "
-                               "SVD), olora (A, B from each weight's QR); pissa and olora save as a plain LoRA of "
-                               "rank 2r on the original base")
+                               "SVD), olora (A, B from each weight's QR), eva (A the top right-singular vectors of "
+                               "each layer's inputs over the training data, B zero; PEFT's EVA); pissa and olora "
+                               "save as a plain LoRA of rank 2r on the original base")
+    eva_rho: float | None = Field(
+        None, ge=1.0, description="init eva: EVA's rank redistribution (PEFT's EvaConfig.rho, default 2): a layer "
+                                  "may take up to r * rho ranks, by explained variance, within the budget of r a "
+                                  "layer; 1 keeps r everywhere")
 
     @model_validator(mode="after")
     def _quant_options_fit(self):
@@ -67,21 +73,34 @@ class AdapterConfig(_Strict):
     @field_validator("init")
     @classmethod
     def _known_init(cls, v):
-        if v not in ("default", "gaussian", "pissa", "olora") and not _PISSA_NITER.fullmatch(v):
+        if v not in ("default", "gaussian", "pissa", "olora", "eva") and not _PISSA_NITER.fullmatch(v):
             raise ValueError(f"unknown LoRA initialisation {v!r}; use default, gaussian, pissa, pissa_niter_N "
-                             "(N iterations, e.g. pissa_niter_4) or olora")
+                             "(N iterations, e.g. pissa_niter_4), olora or eva")
         return v
 
     @model_validator(mode="after")
     def _init_fits_type(self):
+        if self.eva_rho is not None and self.init != "eva":
+            raise ValueError(f"eva_rho is EVA's rank redistribution and applies to init eva (this adapter has "
+                             f"init {self.init}); remove it or set init: eva")
+        if self.init == "eva" and self.rslora and self.rho != 1.0:
+            raise ValueError("init eva with rslora: EVA's redistributed ranks would each need their own rsLoRA "
+                             "scale (alpha / sqrt(rank)), which one saved LoRA cannot carry; set eva_rho: 1 or "
+                             "rslora: false")
         if self.init in ("default", "gaussian"):
             return self
         if self.type != "lora":
-            raise ValueError(f"init {self.init} moves part of each base weight into the adapter, which needs a "
-                             f"plain LoRA on unquantized weights; adapter.type {self.type} cannot take it (use lora)")
+            what = ("computes A from each layer's inputs on the unquantized base" if self.init == "eva" else
+                    "moves part of each base weight into the adapter, which needs a plain LoRA on unquantized weights")
+            raise ValueError(f"init {self.init} {what}; adapter.type {self.type} cannot take it (use lora)")
         if self.init_from:
             raise ValueError(f"init {self.init} and init_from both set the adapter's starting weights; keep one")
         return self
+
+    @property
+    def rho(self) -> float:
+        """EVA's rank redistribution: eva_rho, or PEFT's default."""
+        return EVA_RHO if self.eva_rho is None else self.eva_rho
 
     @field_validator("target_modules")
     @classmethod
@@ -94,8 +113,15 @@ class AdapterConfig(_Strict):
 def residual_reference_problem(adapter: AdapterConfig, key: str, fix: str) -> str | None:
     """A reference model taken as the base with the adapter switched off is, after PiSSA or OLoRA, the
     residual: not the model the run started from. `key` and `fix` say what to change instead."""
-    if adapter.init in ("default", "gaussian"):
+    if adapter.init in ("default", "gaussian", "eva"):
         return None
     return (f"{key}: the reference is the base with the adapter off, which after adapter.init {adapter.init} "
             f"is only the residual of each weight; {fix}")
 
+
+def eva_method_problem(adapter: AdapterConfig, method: str) -> str | None:
+    """EVA decomposes the layer inputs of SFT's training batches; other methods' data does not reach it."""
+    if adapter.init == "eva" and method != "sft":
+        return (f"adapter.init eva: EVA computes A from the layer inputs of the SFT training batches, and method "
+                f"{method} trains on other data; use it in an SFT run (a curriculum's SFT stage), or another init")
+    return None

@@ -13,7 +13,7 @@ from .base import _Strict
 from .data import DataConfig
 from .methods import (DistillConfig, GptqConfig, GrpoConfig, OnlineDpoConfig, PreferenceConfig, QatConfig,
                       RewardConfig, RlooConfig, grpo_batch_problems)
-from .model import AdapterConfig, ModelConfig, residual_reference_problem
+from .model import AdapterConfig, ModelConfig, eva_method_problem, residual_reference_problem
 from .training import DistributedConfig, EvalConfig, LoggingConfig, MemoryConfig, TrainingConfig, loraplus_problem
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "rocm", "mlx")
@@ -118,6 +118,8 @@ class RunConfig(_Strict):
             problems.append(ref)
         if (loraplus := loraplus_problem(self.training, self.adapter.type)) is not None:
             problems.append(loraplus)
+        if (eva := eva_method_problem(self.adapter, self.method)) is not None:
+            problems.append(eva)
         if self.training.precision == "fp8" and (fp8 := fp8_problem(self.adapter.type, self.memory.stream_layers)):
             problems.append(fp8)
         if self.memory.stream_layers and self.adapter.type == "none":

@@ -104,8 +104,10 @@ class Run:
             self.state.before = before.as_dict()
             self.echo(f"before training: {before.describe()}")
 
-    def attach_adapter(self):
-        self.info = self.backend.attach_adapter(self.handle, self.cfg.adapter)
+    def attach_adapter(self, batches=None):
+        """The adapter on the model; `batches`, the training batches adapter.init eva decomposes."""
+        extra = {"batches": batches} if batches is not None else {}
+        self.info = self.backend.attach_adapter(self.handle, self.cfg.adapter, **extra)
         self.echo(f"model: {self.handle.describe()}")
         self.echo(f"adapter: {self.info.describe()}")
         return self.info

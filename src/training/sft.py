@@ -18,12 +18,21 @@ from __future__ import annotations
 
 import time
 
-from ..data import Batcher, load_data, prepare_sft_data
+from ..data import Batcher, collate, load_data, prepare_sft_data
 from ..data.report import run_lines
 from ..evaluation import EvalResult, evaluate, heldout_loss
 from .loop import save_trained, train_loop
 from .results import RunResult
 from .session import start_run
+
+
+def eva_batches(cfg, examples, pad_id: int) -> list | None:
+    """adapter.init eva: the training examples in order, micro_batch_size a batch, whose layer inputs EVA
+    decomposes (PEFT cycles through them until its components converge); None for other inits."""
+    if cfg.adapter.init != "eva":
+        return None
+    size = cfg.training.micro_batch_size
+    return [collate(examples[i:i + size], pad_id) for i in range(0, len(examples), size)]
 
 
 def run_sft(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> RunResult:
@@ -38,7 +47,7 @@ def run_sft(cfg, backend, overwrite: bool = False, echo=print, callbacks=()) -> 
     rep = describe_data(data, echo)
     measure = measure_model(cfg, backend, handle, data)
     run.measure_before(measure)
-    run.attach_adapter()
+    run.attach_adapter(eva_batches(cfg, data.train, handle.tokenizer.pad_token_id))
     trainer = backend.create_trainer(handle, cfg.training)    # the runtime's optimizer step (trainer.py)
     batcher = Batcher.from_config(data.train, cfg, handle.tokenizer.pad_token_id, ranks=backend.ranks)
     steps = run.restore(trainer, batcher)       # a resumed run: weights, optimizer, RNG, data position

@@ -100,7 +100,11 @@ class MlxBackend:
                                 f"{handle.quantization['quant_backend']}; load the model again for {name}")
         return handle.quantization
 
-    def attach_adapter(self, handle: MlxModel, adapter_cfg) -> AdapterInfo:
+    def attach_adapter(self, handle: MlxModel, adapter_cfg, batches=None) -> AdapterInfo:
+        if getattr(adapter_cfg, "init", "default") == "eva":      # A from torch's PEFT EVA (eva.py)
+            from .eva import attach_eva
+
+            return attach_eva(self, handle, adapter_cfg, batches)
         model = handle.model
         kind = adapter_cfg.type
         if kind == "none":

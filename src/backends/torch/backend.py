@@ -189,8 +189,13 @@ class TorchBackend(TorchForward):
         return {"state_dict": full_state_dict(handle.model, trainable_only)}
 
     # ---------------------------------------------------------------- adapters
-    def attach_adapter(self, handle: TorchModel, adapter_cfg) -> AdapterInfo:
-        """PEFT's adapter (LoRA, DoRA, QLoRA's on the 4-bit base), or every weight trainable (model/attach.py)."""
+    def attach_adapter(self, handle: TorchModel, adapter_cfg, batches=None) -> AdapterInfo:
+        """PEFT's adapter (LoRA, DoRA, QLoRA's on the 4-bit base), or every weight trainable (model/attach.py);
+        adapter.init eva decomposes the inputs of `batches` (model/eva.py)."""
+        if getattr(adapter_cfg, "init", "default") == "eva":
+            from .model.eva import attach_eva
+
+            return attach_eva(self, handle, adapter_cfg, batches)
         return attach_adapter(self, handle, adapter_cfg)
 
     def quantize_base(self, handle: TorchModel, adapter_cfg) -> str:
