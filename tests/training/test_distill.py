@@ -103,3 +103,44 @@ def test_a_curriculum_chains_sft_then_distill(tiny_model_dir, teacher_dir, tmp_p
     sft, distill = cur.stages
     assert sft.cfg.distill is None and distill.cfg.distill.loss == "reverse_kl"
     assert distill.cfg.adapter.init_from == str(sft.dir)
+
+
+def test_the_batcher_resumes_to_the_same_micro_batches(tiny_model_dir, teacher_dir, tmp_path):
+    """A batcher restored from another's state_dict after 3 micro-batches makes the same next 4 (the
+    on-policy draws and the samples included) as the one that went on."""
+    from mudpuppy import create_backend
+    from mudpuppy.data import Batcher, prepare_sft_data
+    from mudpuppy.training.distill import DistillBatcher
+
+    cfg = load_config(run_config(tiny_model_dir, teacher_dir, tmp_path, lmbda=0.5))
+    backend = create_backend("cpu")
+    handle = backend.load_model(cfg.model, "fp32")
+    train = prepare_sft_data(cfg, handle.tokenizer).train
+
+    def batcher():
+        return DistillBatcher(cfg, backend, handle, Batcher.from_config(train, cfg, handle.tokenizer.pad_token_id))
+
+    first = batcher()
+    for _ in range(3):
+        first.next_batch()
+    second = batcher()
+    second.load_state_dict(first.state_dict())
+    kinds = []
+    for _ in range(4):
+        a, b = first.next_batch(), second.next_batch()
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.labels, b.labels)
+        kinds.append(first.made[-1][0])
+    assert kinds == [on_policy(cfg.training.seed, i, 0.5) for i in range(3, 7)] and True in kinds and False in kinds
+
+
+def test_a_quantized_teacher_trains_the_student(tiny_model_dir, teacher_dir, tmp_path):
+    """teacher_quantize: the teacher's linear layers as QLoRA's 4-bit codes; the run's divergence is close to
+    the full-precision teacher's at the first step, not equal."""
+    losses = []
+    for quantize in (False, True):
+        raw = run_config(tiny_model_dir, teacher_dir, tmp_path / str(quantize), lmbda=0.0, teacher_quantize=quantize)
+        raw["training"]["max_steps"] = 2
+        result = run(load_config(raw), echo=quiet)
+        losses.append(json.loads((result.output_dir / "metrics.jsonl").read_text().splitlines()[0])["loss"])
+    assert losses[0] != losses[1] and abs(losses[0] - losses[1]) < 0.2 * losses[0]
