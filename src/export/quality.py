@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import DataError, MudpuppyError
 from ..evaluation.heldout import generate_answers
-from ..evaluation.metrics import check_metrics, perplexity
+from ..evaluation.metrics import METRICS, perplexity
 from ..evaluation.suite import read_data, tokenize_for
 from .gguf import extra_tensors, family_of, plan_tensors
 from .tensors import model_tensors, write_float_model
@@ -79,11 +79,13 @@ def heldout_for(src, tokenizer, eval_data: str | None, eval_tokens: int | None) 
         what = "a run without data.val_datasets" if src.kind == "run" else f"{'an' if src.kind == 'adapter' else 'a'} {src.kind}"
         return f"{src.given} is {what}, so there is no held-out data; give --eval-data FILE"
     examples, records = [], []
+    readable = METRICS["perplexity"].formats
     for ds in datasets:
-        if eval_data is None and ds.format not in ("chat", "text", "instruction", "completion"):
-            return (f"the run's held-out set {ds.name} holds {ds.format} records, which perplexity does not read; "
-                    "give --eval-data FILE")
-        check_metrics(["perplexity"], ds.format, ds.name, None)
+        if ds.format not in readable:
+            what = f"holds {ds.format} records; the perplexity reads {', '.join(readable)} records"
+            if eval_data is not None:
+                raise DataError(ds.name, None, f"--eval-data {what}")
+            return f"the run's held-out set {ds.name} {what}: give --eval-data FILE"
         have = sum(len(ex) for ex in examples)
         if have >= limit:
             break

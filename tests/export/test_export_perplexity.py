@@ -131,6 +131,9 @@ def test_bad_eval_options_end_with_one_clear_message(tiny_model_dir, tmp_path):
               "--eval-tokens -5")
     one_error(mudpuppy("export", tiny_model_dir, "--format", "gguf", "--out", out, "--eval-data", tmp_path / "no.jsonl"),
               "--eval-data file not found", "no.jsonl")
+    one_error(mudpuppy("export", tiny_model_dir, "--format", "gguf", "--out", out, "--eval-data",
+                       QUICKSTART_DATA / "smart_home_pref_val.jsonl"),
+              "smart_home_pref_val.jsonl: --eval-data holds preference records", "chat")
     one_error(mudpuppy("export", tiny_model_dir, "--format", "merged", "--out", out, "--eval-data", tmp_path / "x"),
               "--eval-data", "--format merged writes none")
     one_error(mudpuppy("export", tiny_model_dir, "--format", "gguf", "--out", out, "--eval-tokens", 100, "--no-eval"),
