@@ -87,13 +87,15 @@ def test_start_watch_stop_and_resume_a_run_from_the_page(browser, tmp_path, tiny
 
     root = tmp_path / "runs"
     write_run(root / "earlier", metrics=losses(8, 6.0) + [{"step": 8, "eval_loss": 3.1}],
+              config={"model": {"base_model": str(tiny_model_dir)}, "method": "sft", "adapter": {"type": "lora"},
+                      "backend": "cpu", "training": {"max_steps": 8}},
               summary={"status": "finished", "method": "sft", "adapter": "lora", "base_model": str(tiny_model_dir),
                        "steps": 8, "final_loss": 2.0, "eval_after": {"loss": 3.1, "perplexity": 22.2}})
     with serving(root) as server:
         url = server.url
         browser.get(url + "#/new")
         form = {"model": str(tiny_model_dir), "data": str(QUICKSTART_DATA / "smart_home_train.jsonl"),
-                "max_steps": "5000", "save_steps": "1", "batch_size": "1", "sequence_len": "48",
+                "max_steps": "5000", "save_steps": "1", "batch_size": "1", "sequence_len": "128",
                 "learning_rate": "0.005", "output": "tiny"}
         wait("the form", lambda: browser.find_elements(By.ID, "model"))
         Select(browser.find_element(By.ID, "backend")).select_by_value("cpu")

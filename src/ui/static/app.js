@@ -11,6 +11,7 @@ function h(tag, attrs, ...kids) {
   for (const [k, v] of Object.entries(attrs || {})) {
     if (k === "on") for (const [ev, fn] of Object.entries(v)) e.addEventListener(ev, fn);
     else if (k === "dataset") Object.assign(e.dataset, v);
+    else if (k === "color") e.style.background = v;          // through the CSSOM: the page's CSP forbids style=""
     else if (v !== undefined && v !== null && v !== false) e.setAttribute(k, v === true ? "" : v);
   }
   for (const kid of kids.flat()) if (kid !== null && kid !== undefined) e.append(kid instanceof Node ? kid : String(kid));
@@ -70,10 +71,11 @@ async function showRun(name) {
   const note = h("span", {id: "action-note", class: "muted"});
   const summary = h("div", {class: "muted", id: "run-summary"});
   const charts = h("div", {class: "charts", id: "charts"});
+  const config = h("pre", {id: "config", dataset: data.config ? {read: "1"} : {}}, data.config || "–");
   const log = h("pre", {id: "log"}, data.log || "(no log: the page keeps the log of runs it started)");
   view.replaceChildren(h("h1", {}, name, " ", status), summary, h("div", {class: "actions"}, stop, resume, note),
                        charts, h("div", {class: "cols"}, h("div", {}, h("h2", {}, "Log"), log),
-                       h("div", {}, h("h2", {}, "config.yaml"), h("pre", {id: "config"}, data.config || "–"))));
+                       h("div", {}, h("h2", {}, "config.yaml"), config)));
   let rows = [];
   const boxes = {};
   const redraw = () => {
@@ -92,6 +94,12 @@ async function showRun(name) {
   };
   const setStatus = r => {
     status.replaceChildren(badge(r.status));
+    if (!config.dataset.read && !config.dataset.asking && r.status !== "starting") {
+      config.dataset.asking = "1";                        // a run writes config.yaml once its model has loaded
+      api(`/api/run?name=${encodeURIComponent(name)}`).then(d => {
+        if (d.config) { config.textContent = d.config; config.dataset.read = "1"; }
+      }, () => {}).finally(() => { delete config.dataset.asking; });
+    }
     stop.disabled = r.status !== "running";
     resume.disabled = r.status === "running" || !r.resumable;
     summary.textContent = [r.method, r.model, r.adapter, [r.backend, r.device].filter(Boolean).join(" on "),
@@ -183,8 +191,8 @@ async function showNew() {
 // ------------------------------------------------------------------ compare
 async function showCompare() {
   const {runs} = await api("/api/runs");
-  const picks = h("div", {id: "compare-picks"}, ...runs.map(r => h("label", {style: "margin-right:14px"},
-    h("input", {type: "checkbox", value: r.name, style: "width:auto", on: {change: draw}}), " ", r.name)));
+  const picks = h("div", {id: "compare-picks"}, ...runs.map(r => h("label", {class: "pick"},
+    h("input", {type: "checkbox", value: r.name, on: {change: draw}}), r.name, " ", badge(r.status))));
   const table = h("table", {id: "compare-table"});
   const charts = h("div", {class: "charts", id: "compare-charts"});
   view.replaceChildren(h("h1", {}, "Compare"), picks, h("h2", {}, "Held-out results"), table, h("h2", {}, "Curves"), charts);
@@ -202,7 +210,7 @@ async function showCompare() {
       svg.id = `compare-${key}`;
       const series = per.map((s, i) => ({label: names[i], points: s[key] || []}));
       drawChart(svg, series);
-      const legend = h("div", {class: "legend"}, ...names.map((n, i) => h("span", {}, h("i", {style: `background:${COLORS[i % COLORS.length]}`}), n)));
+      const legend = h("div", {class: "legend"}, ...names.map((n, i) => h("span", {}, h("i", {color: COLORS[i % COLORS.length]}), n)));
       return h("div", {class: "chart", "data-metric": key}, h("h3", {}, key), svg, legend);
     }));
   }

@@ -11,10 +11,20 @@ function fmt(v) {
   return (+v.toPrecision(4)).toString();
 }
 
+// An axis label that differs from its neighbours a `span` apart: 0.00495 rather than 0.005 twice; on a span
+// too narrow for four digits, the lowest value in full and the others as what they add to it (+2.2e-8).
+function fmtAxis(v, base, span) {
+  if (!isFinite(v) || !(span > 0) || v === 0) return fmt(v);
+  const digits = Math.ceil(Math.log10(Math.abs(v) / span)) + 2;
+  if (digits <= 4) return fmt(v);
+  if (digits <= 6) return (+v.toPrecision(digits)).toString();
+  return v === base ? (+v.toPrecision(6)).toString() : `+${(v - base).toExponential(1)}`;
+}
+
 // series: [{label, points: [[x, y], ...]}]; returns the <svg> element.
 function drawChart(svg, series) {
   while (svg.firstChild) svg.removeChild(svg.firstChild);
-  const W = 400, H = 170, L = 48, R = 8, T = 8, B = 20;
+  const W = 400, H = 170, L = 62, R = 8, T = 8, B = 20;
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   svg.setAttribute("preserveAspectRatio", "none");
   const all = series.flatMap(s => s.points).filter(p => isFinite(p[1]));
@@ -35,7 +45,7 @@ function drawChart(svg, series) {
   };
   el("line", {x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis"});
   el("line", {x1: L, y1: T, x2: L, y2: H - B, class: "axis"});
-  for (const y of [y0, (y0 + y1) / 2, y1]) el("text", {x: L - 4, y: sy(y) + 3, "text-anchor": "end"}, fmt(y));
+  for (const y of [y0, (y0 + y1) / 2, y1]) el("text", {x: L - 4, y: sy(y) + 3, "text-anchor": "end"}, fmtAxis(y, y0, y1 - y0));
   el("text", {x: L, y: H - 5}, fmt(x0));
   el("text", {x: W - R, y: H - 5, "text-anchor": "end"}, fmt(x1));
   series.forEach((s, i) => {
