@@ -29,38 +29,90 @@ BATCH = 512   # texts per tokenizer call: large enough to use the Rust threads, 
 
 def tokenize_rendered(tokenizer, items: list[Rendered], train_on_eos: str = "turn",
                       sources: list[str] | None = None) -> list[Example]:
-    """One Example per rendered text, masks from its trained spans under the EOS policy."""
+    """One Example per rendered text, masks from its trained spans under the EOS policy.
+
+    Each batch is encoded in one call and read back as flat arrays (ids, offsets, each text's bounds);
+    the masks of the whole batch come from one search of its tokens' starts among its spans
+    (`span_masks`), and every example's arrays are slices of the batch's."""
     sources = sources or [""] * len(items)
     out: list[Example | None] = [None] * len(items)
+    eos = tokenizer.eos_token_id
     for flag in (False, True):
         idx = [i for i, r in enumerate(items) if r.add_special_tokens == flag]
         for start in range(0, len(idx), BATCH):
             chunk = idx[start : start + BATCH]
-            encoded = encode_with_offsets(tokenizer, [items[i] for i in chunk], flag)
-            for i, (ids, offsets) in zip(chunk, encoded):
-                out[i] = build_example(tokenizer, items[i], ids, offsets, train_on_eos, sources[i])
+            batch = [items[i] for i in chunk]
+            ids, offsets, bounds = encode_flat(tokenizer, batch, flag)
+            masks = span_masks(batch, offsets, bounds, train_on_eos)
+            for i, a, b in zip(chunk, bounds[:-1].tolist(), bounds[1:].tolist()):
+                item = items[i]
+                if item.anchors or item.blocked or item.append_eos or item.images:
+                    out[i] = build_example(eos, item, ids[a:b], offsets[a:b], train_on_eos, sources[i], masks[a:b])
+                else:                         # a chat's text: its slices of the batch are its example
+                    out[i] = Example(ids[a:b], masks[a:b], sources[i])
     return out  # type: ignore[return-value]
 
 
+def encode_flat(tokenizer, items: list[Rendered], add_special_tokens: bool
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The texts' ids (int32 [T]) and character offsets ([T, 2]) one after the other, and where each
+    text's tokens begin ([n + 1]: text j holds tokens bounds[j]:bounds[j + 1])."""
+    encodings = rust_encodings(tokenizer, [r.text for r in items], add_special_tokens)
+    if encodings is None:
+        pairs = encode_with_offsets(tokenizer, items, add_special_tokens)
+        bounds = np.zeros(len(pairs) + 1, dtype=np.int64)
+        np.cumsum([len(ids) for ids, _ in pairs], out=bounds[1:])
+        ids = np.fromiter(chain.from_iterable(ids for ids, _ in pairs), dtype=np.int32, count=int(bounds[-1]))
+        offsets = np.concatenate([off for _, off in pairs]) if pairs else np.zeros((0, 2), dtype=np.int64)
+        return ids, offsets.reshape(-1, 2), bounds
+    bounds = np.zeros(len(encodings) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encodings], out=bounds[1:])
+    total = int(bounds[-1])
+    ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=total)
+    offsets = np.fromiter(chain.from_iterable(chain.from_iterable(e.offsets for e in encodings)),
+                          dtype=np.int64, count=2 * total).reshape(-1, 2)
+    return ids, offsets, bounds
+
+
+def rust_encodings(tokenizer, texts: list[str], add_special_tokens: bool) -> list | None:
+    """The Rust encodings of `texts`, as `tokenizer(texts, add_special_tokens=...)` computes them; None for a
+    tokenizer that gives none (slow tokenizers). Where transformers' call would only hand the texts to the
+    Rust tokenizer's `encode_batch` (its own class's call, no truncation, padding or special-token splitting
+    to set up first), they go there directly: the call's conversion of every encoding into Python lists
+    (ids, attention mask) is skipped."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if direct_encoding(tokenizer, backend):
+        return backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+    enc = tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False,
+                    return_token_type_ids=False)
+    return enc.encodings if enc.encodings is not None and len(enc.encodings) == len(texts) else None
+
+
+def direct_encoding(tokenizer, backend) -> bool:
+    """Whether `tokenizer(texts)` would be exactly `backend.encode_batch(texts)` (transformers 5's fast
+    tokenizer call, unchanged by the tokenizer's class, with nothing set on the backend to undo)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return False
+    cls = type(tokenizer)
+    return (isinstance(tokenizer, TokenizersBackend) and backend is not None
+            and all(getattr(cls, name) is getattr(TokenizersBackend, name)
+                    for name in ("__call__", "_encode_plus", "set_truncation_and_padding"))
+            and backend.truncation is None and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)))
+
+
 def encode_with_offsets(tokenizer, items: list[Rendered], add_special_tokens: bool) -> list[tuple[list[int], np.ndarray]]:
-    """(ids, character offsets [T, 2]) per rendered text."""
+    """(ids, character offsets [T, 2]) per rendered text, for a tokenizer that gives no Rust encodings:
+    the offset mapping its call returns, or, where it computes none, `encode_by_pieces`."""
     if getattr(tokenizer, "is_fast", False):
-        # The offsets are read from the Rust encodings, which the call returns anyway: asking for them (and for
-        # the attention mask) in the result only copies them into Python lists once more.
-        enc = tokenizer([r.text for r in items], add_special_tokens=add_special_tokens,
-                        return_attention_mask=False, return_token_type_ids=False)
-        if enc.encodings is not None and len(enc.encodings) == len(items):
-            return [(ids, flat_offsets(e.offsets)) for ids, e in zip(enc["input_ids"], enc.encodings)]
         enc = tokenizer([r.text for r in items], add_special_tokens=add_special_tokens, return_offsets_mapping=True)
         return [(ids, np.asarray(off, dtype=np.int64).reshape(-1, 2))
                 for ids, off in zip(enc["input_ids"], enc["offset_mapping"])]
     return [encode_by_pieces(tokenizer, r, add_special_tokens) for r in items]
-
-
-def flat_offsets(pairs: list[tuple[int, int]]) -> np.ndarray:
-    """[T, 2] offsets from the (start, end) tuples an encoding gives, read as one flat stream:
-    np.asarray inspects every tuple first, about 5 microseconds a 200-token chat more."""
-    return np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(-1, 2)
 
 
 def encode_by_pieces(tokenizer, item: Rendered, add_special_tokens: bool) -> tuple[list[int], np.ndarray]:
@@ -84,26 +136,50 @@ def encode_by_pieces(tokenizer, item: Rendered, add_special_tokens: bool) -> tup
     return ids, np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
 
 
-def build_example(tokenizer, item: Rendered, ids: list[int], offsets: np.ndarray,
-                  train_on_eos: str, source: str) -> Example:
+def span_masks(items: list[Rendered], offsets: np.ndarray, bounds: np.ndarray, train_on_eos: str) -> np.ndarray:
+    """`span_mask` of every text of a batch at once: each token's start and each span are keyed by their
+    text (text j's characters become j * width + c), so one sorted search over the batch finds for each
+    token the last span that starts at or before it, which is its own text's or, where its text has none
+    before it, an earlier text's, which ends before it."""
+    spans = [item.trained_spans(train_on_eos) for item in items]
+    counts = [len(s) for s in spans]
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    if not sum(counts):
+        return np.zeros(len(starts), dtype=bool)
+    width = max(max(len(item.text) for item in items), int(ends.max(initial=0))) + 1
+    flat = np.asarray([ab for s in spans for ab in s], dtype=np.int64).reshape(-1, 2)
+    span_base = np.repeat(np.arange(len(items), dtype=np.int64) * width, counts)
+    lo, hi = flat[:, 0] + span_base, flat[:, 1] + span_base
+    key = starts + np.repeat(np.arange(len(items), dtype=np.int64) * width, np.diff(bounds))
+    k = np.searchsorted(lo, key, side="right") - 1
+    return (ends > starts) & (k >= 0) & (key < hi[np.maximum(k, 0)])
+
+
+def span_mask(starts: np.ndarray, real: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """A token carries loss when it is the tokenizer's own (not an added special token) and starts in a span."""
+    if not spans:
+        return np.zeros(len(starts), dtype=bool)
+    lo = np.asarray([a for a, _ in spans])
+    hi = np.asarray([b for _, b in spans])
+    k = np.searchsorted(lo, starts, side="right") - 1
+    return real & (k >= 0) & (starts < hi[np.maximum(k, 0)])
+
+
+def build_example(eos: int | None, item: Rendered, ids: np.ndarray, offsets: np.ndarray,
+                  train_on_eos: str, source: str, mask: np.ndarray | None = None) -> Example:
+    """The example of one text from its ids and offsets; `mask`: its `span_mask`, where already computed."""
     ids_arr = np.asarray(ids, dtype=np.int32)
     starts, ends = offsets[:, 0], offsets[:, 1]
     real = ends > starts                      # special tokens added by the tokenizer have empty offsets
-    spans = item.trained_spans(train_on_eos)
-    mask = np.zeros(len(ids_arr), dtype=bool)
-    if spans:
-        lo = np.asarray([a for a, _ in spans])
-        hi = np.asarray([b for _, b in spans])
-        k = np.searchsorted(lo, starts, side="right") - 1
-        mask = real & (k >= 0) & (starts < hi[np.maximum(k, 0)])
+    if mask is None:
+        mask = span_mask(starts, real, item.trained_spans(train_on_eos))
     if item.anchors:
-        mask[:] = False
+        mask = np.zeros(len(ids_arr), dtype=bool)
         real_idx = np.flatnonzero(real)
         at = np.searchsorted(starts[real_idx], np.asarray(item.anchors), side="right") - 1
         mask[real_idx[at]] = True
     for a, b in item.blocked:                 # image runs never carry loss, whatever turn holds them
-        mask &= ~((starts < b) & (ends > a))
-    eos = tokenizer.eos_token_id
+        mask = mask & ~((starts < b) & (ends > a))
     if item.append_eos and eos is not None and (len(ids_arr) == 0 or ids_arr[-1] != eos):
         ids_arr = np.append(ids_arr, np.int32(eos))
         mask = np.append(mask, train_on_eos != "none")
