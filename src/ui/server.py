@@ -57,7 +57,11 @@ class UIServer(ThreadingHTTPServer):
         self.guard = Guard(token, (), is_loopback(address[0]))
         self.jobs = Jobs(self.root, **({"python": python} if python else {}))
         self.stopping = False
-        super().__init__(address, Handler)
+        try:
+            super().__init__(address, Handler)
+        except OSError as exc:
+            raise MudpuppyError(f"--host {address[0]} --port {address[1]}: cannot listen there ({exc.strerror}); "
+                                "choose another --port (0: any free one)") from None
 
     @property
     def url(self) -> str:

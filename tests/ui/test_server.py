@@ -106,6 +106,11 @@ def test_beyond_loopback_the_page_needs_a_token(runs_root):
         UIServer(("0.0.0.0", 0), runs_root, None)
 
 
+def test_a_port_in_use_is_one_message(ui, runs_root):
+    with pytest.raises(MudpuppyError, match=f"--port {ui.server_address[1]}: cannot listen there"):
+        UIServer(("127.0.0.1", ui.server_address[1]), runs_root, None)
+
+
 def test_with_a_token_every_request_carries_it_and_the_page_gets_it_once_as_a_cookie(runs_root):
     with serving(runs_root, token="s3cret") as server:
         assert call(server, "GET", "/api/runs")[0] == 401
