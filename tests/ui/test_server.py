@@ -207,3 +207,26 @@ def test_the_page_and_its_assets_are_served(ui):
     assert status == 200 and b"/static/app.js" in body and res.getheader("X-Frame-Options") == "DENY"
     for name in ("app.js", "charts.js", "style.css"):
         assert call(ui, "GET", f"/static/{name}")[0] == 200
+
+
+def test_the_verb_serves_the_folder_and_ctrl_c_ends_it(runs_root):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "mudpuppy.cli", "ui", str(runs_root), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"mudpuppy ui: {runs_root} at http://127.0.0.1:"), line
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/api/runs")
+        names = sorted(r["name"] for r in json.loads(conn.getresponse().read())["runs"])
+        assert names == ["broken", "done", "group/halted"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
