@@ -73,6 +73,11 @@ class AdapterConfig(_Strict):
     @field_validator("init")
     @classmethod
     def _known_init(cls, v):
+        if v == "loftq":
+            raise ValueError("loftq is not available: PEFT's LoftQ quantizes with bitsandbytes' NF4 on a CUDA or XPU "
+                             "device, and its adapter only fits the quantized backbone it leaves behind, which a plain "
+                             "LoRA on the original base cannot carry (docs/methods.md#lora-initialisations-and-lora); "
+                             "use default, gaussian, pissa, pissa_niter_N, olora or eva")
         if v not in ("default", "gaussian", "pissa", "olora", "eva") and not _PISSA_NITER.fullmatch(v):
             raise ValueError(f"unknown LoRA initialisation {v!r}; use default, gaussian, pissa, pissa_niter_N "
                              "(N iterations, e.g. pissa_niter_4), olora or eva")

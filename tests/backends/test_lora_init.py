@@ -90,7 +90,7 @@ def test_attached_init_keeps_the_base_function_and_the_neutral_factors(tiny_mode
         np.testing.assert_allclose(b, ours_b, atol=1e-5)
 
 
-@pytest.mark.parametrize("init", ["pissa", "olora"])
+@pytest.mark.parametrize("init", ["pissa", "olora", "pissa_niter_4", "gaussian"])
 def test_trained_adapter_saves_as_a_plain_lora_on_the_original_base(tiny_config, tmp_path, init):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -116,7 +116,9 @@ def test_trained_adapter_saves_as_a_plain_lora_on_the_original_base(tiny_config,
 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir_of(tiny_config)), dtype=torch.float32)
     plain = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
-    assert plain.peft_config["default"].r == 8 and plain.peft_config["default"].init_lora_weights is True
+    # The residual's inits save a plain rank-2r LoRA; gaussian keeps r (and names itself: loading ignores it).
+    rank, recorded = (4, "gaussian") if init == "gaussian" else (8, True)
+    assert plain.peft_config["default"].r == rank and plain.peft_config["default"].init_lora_weights == recorded
     with torch.no_grad():
         logits = plain(input_ids=torch.as_tensor(batch.input_ids),
                        attention_mask=torch.as_tensor(batch.attention_mask)).logits.numpy()
