@@ -83,14 +83,8 @@ class ConversationRenderer:
 def direct_renderer(tokenizer, clean: list[dict], tools: list[dict] | None) -> Callable | None:
     """(messages, add_generation_prompt) -> what `apply_chat_template(tokenize=False)` returns for
     these messages' prefixes and these tools; None where that cannot be promised."""
-    try:
-        from transformers import PreTrainedTokenizerBase
-        from transformers.utils import chat_template_utils as ctu
-    except ImportError:
-        return None
-    base = PreTrainedTokenizerBase
-    if not isinstance(tokenizer, base) or not _unchanged(type(tokenizer), base) \
-            or not hasattr(ctu, "_compile_jinja_template") or not hasattr(ctu, "_plain_template_data"):
+    ctu = _template_utils(type(tokenizer))
+    if ctu is None:
         return None
     reasoning = getattr(ctu, "_REASONING_FIELDS", ("reasoning_content", "thinking", "reasoning"))
     if not is_plain(clean) or not is_plain(tools) or any(v is None or k in reasoning
@@ -137,6 +131,24 @@ def _prepared(ctu, template: str, special: dict) -> tuple:
     return hit[0], hit[2], hit[3], hit[4]
 
 
+_CLASSES: dict[type, object] = {}   # tokenizer class -> transformers' chat template module, or None: no shortcut
+
+
+def _template_utils(cls):
+    """transformers' chat template helpers where tokenizers of class `cls` render through them unchanged,
+    else None; looked up once per class (a conversation's renderer is built for every record)."""
+    if cls not in _CLASSES:
+        try:
+            from transformers import PreTrainedTokenizerBase as base
+            from transformers.utils import chat_template_utils as ctu
+        except ImportError:
+            ctu = base = None
+        usable = base is not None and issubclass(cls, base) and _unchanged(cls, base) \
+            and hasattr(ctu, "_compile_jinja_template") and hasattr(ctu, "_plain_template_data")
+        _CLASSES[cls] = ctu if usable else None
+    return _CLASSES[cls]
+
+
 def _unchanged(cls, base) -> bool:
     """The tokenizer class renders as the base class does (a subclass could prepare messages its own way)."""
     return all(getattr(cls, name) is getattr(base, name) for name in ("apply_chat_template", "get_chat_template"))
@@ -148,8 +160,8 @@ def is_plain(value) -> bool:
     kind = type(value)
     if value is None or kind in (str, int, float, bool):
         return True
-    if kind is dict:
-        return all(type(k) is str and is_plain(v) for k, v in value.items())
+    if kind is dict:      # str values (nearly all of a chat's) checked here, without a call each
+        return all(type(k) is str and (type(v) is str or is_plain(v)) for k, v in value.items())
     if kind is list:
-        return all(is_plain(v) for v in value)
+        return all(type(v) is str or is_plain(v) for v in value)
     return False
