@@ -189,13 +189,7 @@ class Jobs:
             running = self.children.get(run)
             if running is not None and running.poll() is None:
                 raise FormError(f"{run}: the page's process for it is still running (pid {running.pid})")
-            log = log_path.open("ab")
-            log.write(f"\n$ mudpuppy {' '.join(args)}\n".encode())
-            log.flush()
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
-            child = subprocess.Popen([self.python, "-m", "mudpuppy.cli", *args], stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            log.close()
+            child = spawn(self.python, args, log_path)
             self.children[run] = child
         job = {"run": run, "args": args, "backend": backend, "pid": child.pid, "started": time.time(),
                "resumed": resume, "exit_code": None}
@@ -222,6 +216,17 @@ class Jobs:
 
     def configs(self) -> list[str]:
         return find_configs(self.root)
+
+
+def spawn(python: str, args: list[str], log_path: Path) -> subprocess.Popen:
+    """`mudpuppy ARGS` as a child in its own session (a page reload or the page's Ctrl-C leaves it running),
+    its output appended to `log_path` after the command line it runs."""
+    with log_path.open("ab") as log:
+        log.write(f"\n$ mudpuppy {' '.join(args)}\n".encode())
+        log.flush()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return subprocess.Popen([python, "-m", "mudpuppy.cli", *args], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def _is_mudpuppy(pid: int) -> bool:

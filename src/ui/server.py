@@ -9,6 +9,10 @@
     GET  /api/configs           the YAML files under the folder a run may start from
     POST /api/validate          the form checked as `mudpuppy validate` / `mudpuppy train` check it
     POST /api/start | /api/stop | /api/resume     jobs.py
+    POST /api/chat              one answer of a finished run (or its base), streamed as server-sent events (talk.py)
+    POST /api/export | /api/eval    `mudpuppy export` / `mudpuppy eval` as child processes (ship.py)
+    GET  /api/task?id=ID        such a task: its output so far, its exit code, the export's path or the eval's table
+    GET  /api/choices           export formats and quantizations, the data files an evaluation may read
 
 Who may talk to it is serving/security.py's Guard, as for `mudpuppy serve`: bound to loopback, a Host header
 must name a loopback host (DNS rebinding); an Origin other than the page's own is refused; a POST must be
@@ -31,10 +35,13 @@ from ..errors import MudpuppyError
 from ..serving.requests import RequestError
 from ..serving.security import Guard, is_loopback
 from . import runs
+from .extras import Hardware, samples
 from .jobs import Jobs
+from .ship import Tasks, data_files, export_choices
+from .talk import Talk
 
 STATIC = Path(__file__).parent / "static"
-STATIC_FILES = {"index.html", "app.js", "style.css", "charts.js"}
+STATIC_FILES = {"index.html", "app.js", "style.css", "charts.js", "talk.js"}
 COOKIE = "mudpuppy_ui_token"
 POLL = 0.2                       # seconds between looks at metrics.jsonl for the live feed
 MAX_BODY = 1 << 20
@@ -56,6 +63,9 @@ class UIServer(ThreadingHTTPServer):
         self.token = token
         self.guard = Guard(token, (), is_loopback(address[0]))
         self.jobs = Jobs(self.root, **({"python": python} if python else {}))
+        self.tasks = Tasks(self.root, **({"python": python} if python else {}))
+        self.talk = Talk(self.root)
+        self.hardware = Hardware()
         self.stopping = False
         try:
             super().__init__(address, Handler)
@@ -196,7 +206,9 @@ class Handler(BaseHTTPRequestHandler):
         metrics, _ = runs.read_metrics(folder)
         self._json({"run": self.server.describe(folder),
                     "config": config.read_text(encoding="utf-8", errors="replace") if config.is_file() else "",
-                    "log": _tail(self.server.jobs.log_path(name)), "metrics": metrics})
+                    "log": _tail(self.server.jobs.log_path(name)), "metrics": metrics,
+                    "hardware": self.server.hardware.describe(folder), "samples": samples(folder),
+                    "exports": self.server.tasks.of_run(name), "talk": self.server.talk.held()})
 
     def file(self, query) -> None:
         path = runs.inside(self.server.root, query.get("path", ""))
@@ -223,6 +235,38 @@ class Handler(BaseHTTPRequestHandler):
     def resume(self, body: dict) -> None:
         self._json({"ok": True, "job": self.server.jobs.resume(str(body.get("run") or ""))})
 
+    def chat(self, body: dict) -> None:
+        """One answer, streamed: `note` (loading, freeing), `text` (each piece as it is generated), then
+        `done` (token counts and times) or `error` (the message `mudpuppy chat` would print)."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        try:
+            stats = self.server.talk.reply(str(body.get("run") or ""), str(body.get("side") or "run"), body,
+                                           lambda note: self._event("note", note), lambda text: self._event("text", text))
+            self._event("done", stats)
+        except (BrokenPipeError, ConnectionResetError):
+            raise
+        except MudpuppyError as exc:
+            self._event("error", f"error: {exc}")
+        except runs.OutsideFolder as exc:
+            self._event("error", f"error: {exc}")
+        except Exception as exc:          # noqa: BLE001 - the page shows what went wrong; the server goes on
+            self._event("error", f"error: {type(exc).__name__}: {exc}")
+
+    def export(self, body: dict) -> None:
+        self._json({"ok": True, "task": self.server.tasks.export(body)})
+
+    def evaluate(self, body: dict) -> None:
+        self._json({"ok": True, "task": self.server.tasks.evaluate(body)})
+
+    def task(self, query) -> None:
+        self._json(self.server.tasks.get(query.get("id", "")))
+
+    def choices(self, _query) -> None:
+        self._json({**export_choices(), "data": data_files(self.server.root)})
+
     def events(self, query) -> None:
         """The live feed of one run: every metrics.jsonl line as it lands, its status and its log."""
         folder = self._run(query)
@@ -234,7 +278,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-store")
         self.end_headers()
-        status, beat = None, 0.0
+        status, shown, beat = None, None, 0.0
         while not self.server.stopping:
             size = runs.metrics_size(folder)
             if size < offset:                  # cut back (a resume drops the lines after its checkpoint)
@@ -253,6 +297,10 @@ class Handler(BaseHTTPRequestHandler):
                 else:
                     self.wfile.write(b": beat\n\n")
                     self.wfile.flush()
+                extras = {"hardware": self.server.hardware.describe(folder), "samples": samples(folder)}
+                if extras != shown:
+                    shown = extras
+                    self._event("extras", extras)
                 grown = _size(log_path)
                 if grown > log_offset:
                     with log_path.open("rb") as fh:
@@ -277,7 +325,10 @@ ROUTES = {("GET", "/"): Handler.index, ("GET", "/api/runs"): Handler.list_runs,
           ("GET", "/api/run"): Handler.run_page, ("GET", "/api/events"): Handler.events,
           ("GET", "/api/file"): Handler.file, ("GET", "/api/configs"): Handler.configs,
           ("POST", "/api/validate"): Handler.validate, ("POST", "/api/start"): Handler.start,
-          ("POST", "/api/stop"): Handler.stop, ("POST", "/api/resume"): Handler.resume}
+          ("POST", "/api/stop"): Handler.stop, ("POST", "/api/resume"): Handler.resume,
+          ("POST", "/api/chat"): Handler.chat, ("POST", "/api/export"): Handler.export,
+          ("POST", "/api/eval"): Handler.evaluate, ("GET", "/api/task"): Handler.task,
+          ("GET", "/api/choices"): Handler.choices}
 
 
 def _size(path: Path) -> int:

@@ -75,3 +75,27 @@ def serving(root: Path, host: str = "127.0.0.1", token: str | None = None):
 def ui(runs_root):
     with serving(runs_root) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def finished_runs(tiny_model_dir, tmp_path_factory) -> Path:
+    """A runs folder with two finished two-step LoRA runs of the tiny model (`a`, `b`: different learning rates)
+    and a data file inside it (data/val.jsonl), trained in this process as `mudpuppy run` trains them."""
+    import shutil
+
+    from mudpuppy import create_backend, load_config, run
+
+    from ..conftest import QUICKSTART_DATA, tiny_run_config
+
+    root = tmp_path_factory.mktemp("ui-finished") / "runs"
+    root.mkdir()
+    for name, lr in (("a", 2e-2), ("b", 5e-3)):
+        cfg = tiny_run_config(tiny_model_dir, root / name)
+        cfg["training"].update(max_steps=2, learning_rate=lr)
+        cfg["data"].update(cache=False, val_datasets=[])
+        cfg["data"]["datasets"][0]["num_samples"] = 16
+        cfg["eval"] = {"before_training": False, "after_training": False}
+        run(load_config(cfg), create_backend("cpu"), echo=lambda *_a, **_k: None)
+    (root / "data").mkdir()
+    shutil.copy(QUICKSTART_DATA / "smart_home_val.jsonl", root / "data" / "val.jsonl")
+    return root
