@@ -93,10 +93,21 @@ def test_eva_starts_from_peft_s_components_ranks_and_scales(tiny_model_dir, rho)
     np.testing.assert_allclose(backend.logits(handle, batch), expected, atol=1e-5)
 
 
-def test_trained_eva_adapter_reloads_in_plain_peft_with_the_same_logits(tiny_config, tiny_model_dir, tmp_path):
+def plain_peft(model_dir, adapter_dir, batch):
+    """(the base's logits, the logits of plain PEFT's reload of the adapter on it, its LoraConfig)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        before = base(input_ids=torch.as_tensor(batch.input_ids)).logits.numpy()
+        plain = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+        logits = plain(input_ids=torch.as_tensor(batch.input_ids),
+                       attention_mask=torch.as_tensor(batch.attention_mask)).logits.numpy()
+    return before, logits, plain.peft_config["default"]
+
+
+def test_trained_eva_adapter_reloads_in_plain_peft_with_the_same_logits(tiny_config, tiny_model_dir, tmp_path):
     from mudpuppy.data import Batcher, load_data, prepare_sft_data
     from mudpuppy.training.sft import eva_batches
 
@@ -113,13 +124,7 @@ def test_trained_eva_adapter_reloads_in_plain_peft_with_the_same_logits(tiny_con
     batch = random_batch(len(handle.tokenizer))
     trained = backend.logits(handle, batch)
     backend.save_adapter(handle, str(tmp_path / "adapter"))
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    with torch.no_grad():
-        before = base(input_ids=torch.as_tensor(batch.input_ids)).logits.numpy()
-        plain = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
-        logits = plain(input_ids=torch.as_tensor(batch.input_ids),
-                       attention_mask=torch.as_tensor(batch.attention_mask)).logits.numpy()
-    config = plain.peft_config["default"]
+    before, logits, config = plain_peft(tiny_model_dir, tmp_path / "adapter", batch)
     assert config.init_lora_weights is True and not config.rank_pattern and config.r == handle.model.peft_config["default"].r
     assert np.abs(logits - before).max() > 1e-3, "three steps moved the model"
     np.testing.assert_allclose(logits, trained, atol=1e-5)
@@ -141,9 +146,6 @@ def test_eva_is_refused_outside_sft_and_with_what_it_cannot_carry(tiny_config):
 @pytest.mark.mlx
 def test_mlx_starts_from_torch_s_eva_and_saves_what_plain_peft_reads(tiny_model_dir, tmp_path):
     mx = pytest.importorskip("mlx.core")
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     from mudpuppy.backends.mlx.layers import adapter_layers
 
     backend, handle = ours(tiny_model_dir, fixed_batches(320))
@@ -161,11 +163,7 @@ def test_mlx_starts_from_torch_s_eva_and_saves_what_plain_peft_reads(tiny_model_
     batch = random_batch(320, seed=3)
     expected = mlx_backend.logits(mh, batch)
     mlx_backend.save_adapter(mh, str(tmp_path / "adapter"))
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    with torch.no_grad():
-        plain = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
-        logits = plain(input_ids=torch.as_tensor(batch.input_ids),
-                       attention_mask=torch.as_tensor(batch.attention_mask)).logits.numpy()
+    _, logits, _ = plain_peft(tiny_model_dir, tmp_path / "adapter", batch)
     np.testing.assert_allclose(logits, expected, atol=1e-4)
 
 

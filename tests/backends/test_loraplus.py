@@ -13,6 +13,8 @@ from mudpuppy import create_backend, load_config, run
 from mudpuppy.config import AdapterConfig, ModelConfig, TrainingConfig
 from mudpuppy.training.loop import Interrupted
 
+from ..faults import StopAfter
+
 RATIO = 16.0
 
 
@@ -74,29 +76,6 @@ def test_loraplus_needs_an_adapter_in_the_config(tiny_config):
 
 def quiet(*_):
     pass
-
-
-class StopAfter:
-    """A backend whose trainer stops the run (as a second Ctrl-C) when asked for step k + 1."""
-
-    def __init__(self, inner, k: int):
-        self.inner, self.k, self.calls = inner, k, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def create_trainer(self, handle, cfg):
-        trainer = self.inner.create_trainer(handle, cfg)
-        step = trainer.step
-
-        def stopping(*args, **kwargs):
-            self.calls += 1
-            if self.calls > self.k:
-                raise KeyboardInterrupt
-            return step(*args, **kwargs)
-
-        trainer.step = stopping
-        return trainer
 
 
 def loraplus_config(tiny_config, out, **adapter) -> dict:

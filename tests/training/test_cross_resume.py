@@ -23,7 +23,7 @@ from mudpuppy.errors import MudpuppyError
 from mudpuppy.training import checkpoints
 from mudpuppy.training.loop import Interrupted
 
-from ..faults import kill_after
+from ..faults import StopAfter, kill_after
 from .test_grpo import grpo_config
 from .test_preference_mlx import run_config as preference_config
 
@@ -31,30 +31,6 @@ pytestmark = pytest.mark.mlx
 K = 5
 TOL = 1e-4
 RUNTIME = {"cpu": "torch", "mlx": "mlx"}
-
-
-class StopAfter:
-    """A backend whose trainer stops the run at once (as a second Ctrl-C) when asked for step k + 1: the
-    checkpoint of step k is the newest complete one, as after a preempted job."""
-
-    def __init__(self, inner, k: int):
-        self.inner, self.k, self.calls = inner, k, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def create_trainer(self, handle, cfg):
-        trainer = self.inner.create_trainer(handle, cfg)
-        step = trainer.step
-
-        def stopping(*args, **kwargs):
-            self.calls += 1
-            if self.calls > self.k:
-                raise KeyboardInterrupt
-            return step(*args, **kwargs)
-
-        trainer.step = stopping
-        return trainer
 
 
 def quiet(*_):
