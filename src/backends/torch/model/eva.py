@@ -34,8 +34,9 @@ def eva_components(backend, handle, adapter_cfg, batches) -> dict[str, np.ndarra
     from peft.tuners.lora.eva import get_eva_state_dict
 
     if not batches:
-        raise MudpuppyError("adapter.init eva computes A from the run's training batches, and none were given; "
-                            "EVA runs with method sft")
+        raise MudpuppyError("adapter.init eva computes A from the training batches of an SFT run (mudpuppy run "
+                            "passes them), and none were given here; `mudpuppy parity` does not compute EVA: "
+                            "compare with adapter.init default")
     attach_adapter(backend, handle, adapter_cfg.model_copy(update={"init": "default", "eva_rho": None}))
     model = handle.model
     config = LoraConfig(r=adapter_cfg.r, lora_alpha=adapter_cfg.alpha, init_lora_weights="eva",
