@@ -1,6 +1,8 @@
 """`mudpuppy ui` in a real browser: headless Chromium (Debian's chromium and chromedriver, driven by
 Selenium) against the server on loopback. One tiny run is started from the form, its loss curve is seen
 gaining points while it trains, it is stopped (SIGINT: a checkpoint is kept) and resumed from its page.
+A finished run is talked to (with its base beside it), exported to GGUF, and evaluated with another run from
+the compare page.
 
 Screenshots go to a temporary folder, or to docs/ui/ with MUDPUPPY_UI_SCREENSHOTS=docs/ui (how the pictures
 in docs/ui.md were taken)."""
@@ -159,3 +161,60 @@ def test_start_watch_stop_and_resume_a_run_from_the_page(browser, tmp_path, tiny
             "const s = document.getElementById('compare-loss'); return s ? s.querySelectorAll('polyline').length : 0;")) == 2, 15)
         assert overlaid
         browser.save_screenshot(str(shots / "compare.png"))
+
+
+def test_talk_to_a_run_export_it_and_evaluate_two_runs_from_the_page(browser, finished_runs, shots):
+    """A finished run's page: its answer and its base's streamed into the chat pane; a GGUF export started,
+    and while it runs the compare page's one click runs `mudpuppy eval` on both runs (their columns shown);
+    back on the run's page the export's path shows, and the file is there."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    def show(element_id: str) -> None:
+        browser.execute_script(f"document.getElementById('{element_id}').scrollIntoView({{block: 'start'}});")
+
+    with serving(finished_runs) as server:
+        browser.get(server.url + "#/run/a")
+        wait("the chat pane", lambda: browser.find_elements(By.ID, "chat-input"), 30)
+        browser.find_element(By.ID, "chat-base-on").click()
+        browser.find_element(By.ID, "chat-input").send_keys("ok house, lock the front door")
+        browser.find_element(By.ID, "chat-send").click()
+        answers = {}
+        for side in ("run", "base"):
+            answers[side] = wait(f"the {side}'s answer", lambda: browser.find_elements(
+                By.CSS_SELECTOR, f"#chat-{side} .msg.assistant[data-done='1']"), 180)[0]
+            assert int(answers[side].get_attribute("data-pieces")) >= 2, "not streamed: one piece"
+            assert answers[side].text.strip()
+        assert "generated in" in browser.find_element(By.ID, "chat-note").text
+        show("talk")
+        browser.save_screenshot(str(shots / "talk.png"))
+
+        Select(browser.find_element(By.ID, "export-format")).select_by_value("gguf")
+        Select(browser.find_element(By.ID, "export-quant")).select_by_value("q8_0")
+        browser.find_element(By.ID, "export-eval").click()              # the perplexity off: a shorter test
+        browser.find_element(By.ID, "export-go").click()
+        wait("the export started", lambda: browser.find_elements(By.CSS_SELECTOR, "#exports .task code"), 15)
+        assert "mudpuppy export" in browser.find_element(By.CSS_SELECTOR, "#exports .task code").text
+        started = time.monotonic()
+        browser.get(server.url + "#/compare")
+        wait("the compare page", lambda: len(browser.find_elements(By.CSS_SELECTOR, "#compare-picks input")) == 2, 15)
+        for box in browser.find_elements(By.CSS_SELECTOR, "#compare-picks input"):
+            box.click()
+        Select(browser.find_element(By.ID, "eval-data")).select_by_value("data/val.jsonl")
+        browser.find_element(By.ID, "eval-samples").send_keys("4")
+        browser.find_element(By.ID, "eval-go").click()
+        wait("eval's table", lambda: browser.find_elements(By.CSS_SELECTOR, "#eval-table tr[data-row]"), 300)
+        header = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#eval-table th")]
+        assert header[1:] == ["A", "B"] or header[1:] == ["a", "b"], header    # th is upper-cased by the style
+        show("eval")
+        browser.save_screenshot(str(shots / "eval.png"))
+
+        # The export went on while the page was elsewhere (a child process): the run's page lists it again.
+        browser.get(server.url + "#/run/a")
+        path = wait("the export's path", lambda: browser.execute_script(
+            "const p = document.querySelector('#exports .task-path'); return p && p.dataset.path;"),
+            max(10.0, 240 - (time.monotonic() - started)))
+        assert path == str(finished_runs / "a" / "export" / "gguf-q8_0")
+        assert list((finished_runs / "a" / "export" / "gguf-q8_0").glob("*.gguf"))
+        show("ship")
+        browser.save_screenshot(str(shots / "ship.png"))

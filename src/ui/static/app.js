@@ -73,9 +73,18 @@ async function showRun(name) {
   const charts = h("div", {class: "charts", id: "charts"});
   const config = h("pre", {id: "config", dataset: data.config ? {read: "1"} : {}}, data.config || "–");
   const log = h("pre", {id: "log"}, data.log || "(no log: the page keeps the log of runs it started)");
+  const extras = window.mpTalk.extrasPane();
+  const shipping = h("div", {id: "finished-panes"});
   view.replaceChildren(h("h1", {}, name, " ", status), summary, h("div", {class: "actions"}, stop, resume, note),
-                       charts, h("div", {class: "cols"}, h("div", {}, h("h2", {}, "Log"), log),
+                       charts, extras.box, shipping, h("div", {class: "cols"}, h("div", {}, h("h2", {}, "Log"), log),
                        h("div", {}, h("h2", {}, "config.yaml"), config)));
+  extras.update({hardware: data.hardware, samples: data.samples});
+  const finishedPanes = async () => {          // a finished run can be talked to and shipped
+    if (shipping.dataset.shown) return;
+    shipping.dataset.shown = "1";
+    const choices = await api("/api/choices");
+    shipping.replaceChildren(window.mpTalk.talkPane(name, data.talk), window.mpTalk.shipPane(name, data.exports, choices));
+  };
   let rows = [];
   const boxes = {};
   const redraw = () => {
@@ -94,6 +103,7 @@ async function showRun(name) {
   };
   const setStatus = r => {
     status.replaceChildren(badge(r.status));
+    if (r.status === "finished") finishedPanes();
     if (!config.dataset.read && !config.dataset.asking && r.status !== "starting") {
       config.dataset.asking = "1";                        // a run writes config.yaml once its model has loaded
       api(`/api/run?name=${encodeURIComponent(name)}`).then(d => {
@@ -121,6 +131,7 @@ async function showRun(name) {
   source.addEventListener("metrics", e => { rows = rows.concat(JSON.parse(e.data)); redraw(); });
   source.addEventListener("reset", () => { rows = []; redraw(); });
   source.addEventListener("status", e => setStatus(JSON.parse(e.data)));
+  source.addEventListener("extras", e => extras.update(JSON.parse(e.data)));
   source.addEventListener("log", e => {
     if (log.textContent.startsWith("(no log")) log.textContent = "";
     log.textContent += JSON.parse(e.data);
@@ -195,9 +206,12 @@ async function showCompare() {
     h("input", {type: "checkbox", value: r.name, on: {change: draw}}), r.name, " ", badge(r.status))));
   const table = h("table", {id: "compare-table"});
   const charts = h("div", {class: "charts", id: "compare-charts"});
-  view.replaceChildren(h("h1", {}, "Compare"), picks, h("h2", {}, "Held-out results"), table, h("h2", {}, "Curves"), charts);
+  const choices = await api("/api/choices");
+  const picked = () => [...picks.querySelectorAll("input:checked")].map(e => e.value);
+  view.replaceChildren(h("h1", {}, "Compare"), picks, h("h2", {}, "Held-out results"), table,
+                       window.mpTalk.evalPane(picked, choices), h("h2", {}, "Curves"), charts);
   async function draw() {
-    const names = [...picks.querySelectorAll("input:checked")].map(e => e.value);
+    const names = picked();
     const loaded = await Promise.all(names.map(n => api(`/api/run?name=${encodeURIComponent(n)}`)));
     const keys = [...new Set(loaded.flatMap(d => Object.keys(d.run.heldout || {})))];
     table.replaceChildren(h("tr", {}, h("th", {}, "run"), h("th", {}, "steps"), h("th", {}, "final loss"), ...keys.map(k => h("th", {}, k))),
