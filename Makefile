@@ -5,6 +5,7 @@
 #   make test   # install, then run the fast test suite (tiny models, no network; the browser tests of
 #               # `mudpuppy ui` with Debian's chromium, which `make browser` installs when root)
 #   make test-gpu   # the gpu tier (tests marked `gpu`), where torch sees a CUDA or ROCm GPU
+#   make test-readers   # the readers tier (tests marked `readers`): llama.cpp itself reads the exports
 #
 # torch is installed first, from TORCH_SPEC, so that you choose the build:
 #   make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/rocm7.2"   # AMD
@@ -17,7 +18,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 PIP        := $(BIN)/python -m pip
 
-.PHONY: demo test test-slow test-gpu test-all install install-test browser clean
+.PHONY: demo test test-slow test-gpu test-readers test-all install install-test browser clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +64,21 @@ test-slow: install
 test-gpu: install
 	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch sees no CUDA or ROCm GPU here (torch ' + torch.__version__ + '), so the gpu tier was not run; install a GPU build with TORCH_SPEC (see make demo)')"
 	$(BIN)/python -m pytest -q -m gpu
+
+# The readers tier: tests marked `readers` (tests/readers and the llama.cpp tests of tests/export and
+# tests/backends), where llama.cpp itself, through llama-cpp-python (the `readers` extra), loads what
+# mudpuppy exports: greedy answers per family and quant type, K-quant files byte for byte against
+# llama.cpp's quantizer, perplexity. llama-cpp-python has no Linux wheel on PyPI, so pip compiles
+# llama.cpp from its sdist: 33 min wall (8.6 min of CPU) on the loaded 2-core dev machine (docs/export.md#llamacpp-test-tier).
+# Without llama_cpp importable afterwards it says so and fails, rather than pass having run nothing.
+$(VENV)/.readers: pyproject.toml $(VENV)/.installed
+	@echo "make test-readers: installing llama-cpp-python (compiles llama.cpp: 33 min wall, 8.6 min CPU, on the loaded 2-core dev machine)"
+	$(PIP) install -q -e ".[readers]"
+	touch $@
+
+test-readers: $(VENV)/.readers
+	@$(BIN)/python -c "import llama_cpp" || { echo "make test-readers: llama_cpp does not import after installing the readers extra, so the readers tier was not run"; exit 1; }
+	$(BIN)/python -m pytest -q -m readers
 
 test-all: install
 	$(BIN)/python -m pytest -q -m "slow or not slow"

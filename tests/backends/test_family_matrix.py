@@ -17,7 +17,7 @@ driven through mudpuppy's Python API on the torch CPU backend at fp32:
   LoRA model in a one-process gloo group with the unsharded logits;
 - GGUF for these models (the shapes above, tied heads) where tests/export/test_gguf_families.py
   builds its own: Mistral reads back; SmolLM3, GLM-4 and Cohere export to the tensors and keys
-  llama.cpp's loader asks for, and (slow, with llama-cpp-python) llama.cpp's logits equal the
+  llama.cpp's loader asks for, and (readers tier, with llama-cpp-python) llama.cpp's logits equal the
   model's; a Mistral or Mixtral with a sliding window exports with a note; what llama.cpp would
   compute differently (the matrix's Qwen2 window, SmolLM3 rotary on other layers than every 4th,
   Cohere q/k norms below 64 layers) is refused naming the alternatives.
@@ -44,6 +44,7 @@ from mudpuppy.errors import MudpuppyError
 
 from ..conftest import build_tokenizer
 from ..conftest import random_examples, randomize_lora
+from ..readers.cpp import HAVE_LLAMA_CPP, REASON
 
 WINDOW = 6          # shorter than the examples below, so a sliding window acts
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -424,14 +425,8 @@ def test_gguf_is_what_llama_cpp_loads(model_dirs, tmp_path, family):
         assert field.contents() == (value if isinstance(value, str) else pytest.approx(value, rel=1e-6)), key
 
 
-def _has_llama_cpp() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _has_llama_cpp(), reason="llama-cpp-python is not installed")
+@pytest.mark.readers
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason=REASON)
 @pytest.mark.parametrize("family", LLAMA_CPP_FAMILIES)
 def test_gguf_llama_cpp_logits_equal_the_model(model_dirs, tmp_path, family):
     import llama_cpp

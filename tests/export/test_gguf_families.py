@@ -8,7 +8,7 @@ reader for them, or a broken one), the file is checked against what llama.cpp's 
 llama.cpp's src/models/<arch>.cpp (load_arch_tensors / load_arch_hparams): every tensor it creates
 with the shape it creates it with, every metadata key it reads with the config's value, and each
 tensor equal to the Hugging Face one through the inverse of the family's transform. llama.cpp
-itself is the slow test at the end (skipped without llama-cpp-python).
+itself is the readers tier at the end (`make test-readers`; skipped without llama-cpp-python).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from mudpuppy.cli import main
 from mudpuppy.export import ExportRequest, export_model
 
 from ..conftest import build_tokenizer
+from ..readers.cpp import HAVE_LLAMA_CPP, REASON
 from .conftest import logits
 from .test_gguf import llama_cpp_rows, stored_as
 
@@ -390,14 +391,8 @@ def test_a_family_without_a_row_is_refused_naming_the_alternatives(tmp_path):
 
 # --------------------------------------------------------------------------- llama.cpp itself
 
-def _has_llama_cpp() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _has_llama_cpp(), reason="llama-cpp-python is not installed")
+@pytest.mark.readers
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason=REASON)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_llama_cpp_answers_greedily_as_the_source_model(exports, family):
     """llama.cpp (llama-cpp-python) loads each family's f32 GGUF and decodes greedily the same tokens
@@ -500,8 +495,8 @@ def with_ggml_gelu(model, gates: dict[int, np.ndarray] | None = None):
     return model
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not _has_llama_cpp(), reason="llama-cpp-python is not installed")
+@pytest.mark.readers
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason=REASON)
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gptoss"])
 def test_llama_cpp_logits_equal_the_source_models(exports, family, monkeypatch):
     """Every position's logits, not only the argmax: what greedy decoding cannot see (Cohere's logit_scale,
