@@ -94,3 +94,13 @@ def test_the_run_page_shows_the_training_process_readings_and_sampled_completion
     assert [s["completion"] for s in page["samples"]] == [f"answer {s}" for s in range(3, 11)]
     assert page["samples"][-1] == {"step": 10, "prompt": "q10", "completion": "answer 10", "rewards": {"exact": 0.0},
                                    "advantage": 0.5}
+
+
+def test_the_run_page_shows_the_device_memory_peaks_the_run_recorded(runs_root):
+    summary = json.loads((runs_root / "done" / "run_summary.json").read_text())
+    summary["memory"] = {"load": {"allocated": 2**30, "reserved": 2**31}, "training": {"allocated": 3 * 2**30}}
+    (runs_root / "done" / "run_summary.json").write_text(json.dumps(summary))
+    with serving(runs_root) as ui:
+        page = call(ui, "GET", "/api/run?name=done")[1]
+    assert page["hardware"] == {"live": [], "peaks": [{"phase": "load", "allocated": 2**30, "reserved": 2**31},
+                                                      {"phase": "training", "allocated": 3 * 2**30}]}
