@@ -55,7 +55,9 @@ class AdapterConfig(_Strict):
                                "zero), gaussian (A normal, std 1/r), pissa (A, B the top-r singular triplets of each "
                                "weight, the base their residual), pissa_niter_N (the same by N-iteration randomized "
                                "SVD), olora (A, B from each weight's QR), eva (A the top right-singular vectors of "
-                               "each layer's inputs over the training data, B zero; PEFT's EVA); pissa and olora "
+                               "each layer's inputs over the training data, B zero; PEFT's EVA), loftq (qlora only: "
+                               "scale * B @ A the rank-r SVD of each weight's 4-bit quantization error W - Q, the "
+                               "4-bit base unchanged; PEFT's replace_lora_weights_loftq); pissa and olora "
                                "save as a plain LoRA of rank 2r on the original base")
     eva_rho: float | None = Field(
         None, ge=1.0, description="init eva: EVA's rank redistribution (PEFT's EvaConfig.rho, default 2): a layer "
@@ -73,14 +75,9 @@ class AdapterConfig(_Strict):
     @field_validator("init")
     @classmethod
     def _known_init(cls, v):
-        if v == "loftq":
-            raise ValueError("loftq is not available: PEFT's LoftQ quantizes with bitsandbytes' NF4 on a CUDA or XPU "
-                             "device, and its adapter only fits the quantized backbone it leaves behind, which a plain "
-                             "LoRA on the original base cannot carry (docs/methods.md#lora-initialisations-and-lora); "
-                             "use default, gaussian, pissa, pissa_niter_N, olora or eva")
-        if v not in ("default", "gaussian", "pissa", "olora", "eva") and not _PISSA_NITER.fullmatch(v):
+        if v not in ("default", "gaussian", "pissa", "olora", "eva", "loftq") and not _PISSA_NITER.fullmatch(v):
             raise ValueError(f"unknown LoRA initialisation {v!r}; use default, gaussian, pissa, pissa_niter_N "
-                             "(N iterations, e.g. pissa_niter_4), olora or eva")
+                             "(N iterations, e.g. pissa_niter_4), olora, eva or loftq")
         return v
 
     @model_validator(mode="after")
@@ -94,7 +91,12 @@ class AdapterConfig(_Strict):
                              "rslora: false")
         if self.init in ("default", "gaussian"):
             return self
-        if self.type != "lora":
+        if self.init == "loftq":
+            if self.type != "qlora":
+                raise ValueError(f"adapter.init loftq sets A, B to the low-rank part of each weight's 4-bit "
+                                 f"quantization error, and adapter.type {self.type} quantizes nothing; use "
+                                 "adapter.type qlora")
+        elif self.type != "lora":
             what = ("computes A from each layer's inputs on the unquantized base" if self.init == "eva" else
                     "moves part of each base weight into the adapter, which needs a plain LoRA on unquantized weights")
             raise ValueError(f"init {self.init} {what}; adapter.type {self.type} cannot take it (use lora)")
@@ -118,7 +120,7 @@ class AdapterConfig(_Strict):
 def residual_reference_problem(adapter: AdapterConfig, key: str, fix: str) -> str | None:
     """A reference model taken as the base with the adapter switched off is, after PiSSA or OLoRA, the
     residual: not the model the run started from. `key` and `fix` say what to change instead."""
-    if adapter.init in ("default", "gaussian", "eva"):
+    if adapter.init in ("default", "gaussian", "eva", "loftq"):
         return None
     return (f"{key}: the reference is the base with the adapter off, which after adapter.init {adapter.init} "
             f"is only the residual of each weight; {fix}")

@@ -135,7 +135,7 @@ def tiny_model_dir_of(cfg: dict) -> str:
     return cfg["model"]["base_model"]
 
 
-@pytest.mark.parametrize("init", ["kaiming", "pissa_niter_", "pissa_niter_0", "PiSSA", "loftq"])
+@pytest.mark.parametrize("init", ["kaiming", "pissa_niter_", "pissa_niter_0", "PiSSA", "LoftQ"])
 def test_unknown_initialisations_are_refused_with_their_key_path(tiny_config, init):
     tiny_config["adapter"]["init"] = init
     with pytest.raises(Exception, match=r"adapter\.init") as info:

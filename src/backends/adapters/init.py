@@ -1,4 +1,5 @@
-"""LoRA initialisations that move part of each base weight into the adapter (PiSSA, OLoRA), in numpy.
+"""LoRA initialisations that move part of each base weight into the adapter (PiSSA, OLoRA), and LoftQ's
+start on a 4-bit base (`loftq_factors`), in numpy.
 
 PEFT computes them on torch (`LoraLayer.pissa_init`, `olora_init`); the MLX backend computes the same
 factors here from the same base weights, so both runtimes start from the same A, B and residual base
@@ -48,14 +49,30 @@ def initial_factors(init: str, weight: np.ndarray, r: int, scale: float, seed: i
         a, b = rr[:r], q[:, :r]
     elif init.startswith("pissa"):
         niter = niter_of(init)
-        u, s, vh = (np.linalg.svd(w, full_matrices=False) if niter is None
-                    else randomized_svd(w, r, niter, np.random.default_rng(seed)))
-        root = np.sqrt(s[:r] / scale)
-        a, b = root[:, None] * vh[:r], u[:, :r] * root[None, :]
+        a, b = split_singular(np.linalg.svd(w, full_matrices=False) if niter is None
+                              else randomized_svd(w, r, niter, np.random.default_rng(seed)), r, scale)
     else:
         raise AdapterError(f"adapter.init {init!r} keeps the base weight; it has no initial factors")
     a, b = canonical_signs(np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32))
     return a, b, w - np.float32(scale) * (b @ a)
+
+
+def split_singular(svd, r: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """(A, B) from (U, S, Vh): the top r triplets split as PEFT splits them (B = U sqrt(S), A = sqrt(S) Vh),
+    each divided by sqrt(scale) so that scale * B @ A is the rank-r truncation itself."""
+    u, s, vh = svd
+    root = np.sqrt(s[:r] / scale)
+    return root[:, None] * vh[:r], u[:, :r] * root[None, :]
+
+
+def loftq_factors(weight: np.ndarray, dequantized: np.ndarray, r: int, scale: float) -> tuple[np.ndarray, ...]:
+    """LoftQ's start on an unchanged 4-bit base (PEFT's `_loftq_init_new`): (A [r, in], B [out, r]) with
+    scale * B @ A the rank-r SVD of the quantization error W - dequantize(quantize(W)), signs canonical.
+    PEFT sets A, B = sqrt(S) Vh, U sqrt(S) without dividing by the LoRA scale, so its correction is
+    scale * E_r; here it is E_r whatever alpha and r are (equal to PEFT's at scale 1)."""
+    error = np.asarray(weight, dtype=np.float32) - np.asarray(dequantized, dtype=np.float32)
+    a, b = split_singular(np.linalg.svd(error, full_matrices=False), r, scale)
+    return canonical_signs(np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32))
 
 
 def randomized_svd(w: np.ndarray, q: int, niter: int, rng: np.random.Generator):

@@ -191,11 +191,16 @@ class TorchBackend(TorchForward):
     # ---------------------------------------------------------------- adapters
     def attach_adapter(self, handle: TorchModel, adapter_cfg, batches=None) -> AdapterInfo:
         """PEFT's adapter (LoRA, DoRA, QLoRA's on the 4-bit base), or every weight trainable (model/attach.py);
-        adapter.init eva decomposes the inputs of `batches` (model/eva.py)."""
+        adapter.init eva decomposes the inputs of `batches` (model/eva.py); loftq sets A, B from each 4-bit
+        weight's quantization error (model/loftq.py)."""
         if getattr(adapter_cfg, "init", "default") == "eva":
             from .model.eva import attach_eva
 
             return attach_eva(self, handle, adapter_cfg, batches)
+        if getattr(adapter_cfg, "init", "default") == "loftq":
+            from .model.loftq import attach_loftq
+
+            return attach_loftq(self, handle, adapter_cfg)
         return attach_adapter(self, handle, adapter_cfg)
 
     def quantize_base(self, handle: TorchModel, adapter_cfg) -> str:

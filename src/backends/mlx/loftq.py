@@ -1,0 +1,58 @@
+"""adapter.init loftq on MLX: QLoRA's adapter on MLX's own 4-bit base (mx.quantize), each layer's A, B from
+the SVD of that base's quantization error (adapters/init.py `loftq_factors`). Not carried from torch as EVA's
+A is: the two runtimes quantize differently (torch's int4 is mudpuppy's min-max groups, MLX's its affine
+mode; even their MXFP4 rounding may differ), so each corrects its own error, and an adapter started on one
+base is LoftQ's start only on that base."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from ...errors import MudpuppyError
+from ..adapters.init import loftq_factors
+from .families import config_overrides, model_classes
+from .layers import adapter_layers, base_weight
+
+
+def attach_loftq(backend, handle, adapter_cfg):
+    """What attach_adapter returns for the QLoRA adapter, its A, B replaced by LoftQ's on every 4-bit
+    target (a target MLX kept at full precision, its width not a multiple of the group, keeps the default
+    start, as PEFT leaves a layer that is not 4-bit)."""
+    info = backend.attach_adapter(handle, adapter_cfg.model_copy(update={"init": "default"}))
+    layers = {path: layer for path, layer in adapter_layers(handle.model).items()
+              if isinstance(layer.linear, nn.QuantizedLinear)}
+    if not layers:
+        raise MudpuppyError("adapter.init loftq: no target of the adapter is a 4-bit linear layer on MLX (a "
+                            "width not a multiple of the group stays full precision); check adapter.target_modules")
+    original = full_precision_linears(handle.source)
+    missing = sorted(set(layers) - set(original))
+    if missing:
+        raise MudpuppyError(f"adapter.init loftq: the checkpoint at {handle.source} has no linear layer "
+                            f"{missing[0]} (and {len(missing) - 1} more targets) to read at full precision")
+    for path, layer in layers.items():
+        weight = np.array(original[path].weight.astype(mx.float32))
+        dequantized = np.array(base_weight(layer.linear).astype(mx.float32))
+        a, b = loftq_factors(weight, dequantized, layer.lora_a.shape[1], layer.scale)
+        layer.lora_a = mx.array(a.T).astype(layer.lora_a.dtype)
+        layer.lora_b = mx.array(b.T).astype(layer.lora_b.dtype)
+    mx.eval(handle.model.parameters())
+    return info
+
+
+def full_precision_linears(source: str) -> dict[str, nn.Module]:
+    """Path -> linear layer of the checkpoint loaded again lazily, unquantized: a weight is read only when
+    one layer's is evaluated, so at most a layer's full-precision weight exists at a time."""
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    raw = json.loads((Path(source) / "config.json").read_text())
+    remote = ({"trust_remote_code": False}
+              if "trust_remote_code" in inspect.signature(mlx_load_model).parameters else {})
+    model, _ = mlx_load_model(Path(source), lazy=True, model_config=config_overrides(raw),
+                              get_model_classes=model_classes, **remote)
+    return {name: mod for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}

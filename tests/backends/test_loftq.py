@@ -1,0 +1,208 @@
+"""adapter.init loftq: on mudpuppy's own 4-bit base (torch and MLX), A, B are what PEFT's `_loftq_init_new`
+computes from the same weight and dequantized base (bitsandbytes stood in for by that base), divided by the
+LoRA scale; the start is closer to the full-precision model than plain QLoRA's; a run resumes exactly and
+the adapter merges onto the dequantized base."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from mudpuppy import create_backend, load_config
+from mudpuppy.backends.adapters.init import canonical_signs, loftq_factors
+from mudpuppy.config import AdapterConfig, ModelConfig
+
+from ..conftest import build_tiny_model
+from .mlx.conftest import random_batch
+
+R, ALPHA = 4, 8
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama at width 64: every linear layer's input a whole number of MLX's 64-value groups."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-64"), hidden_size=64)
+
+
+def checkpoint(model_dir) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return {k: v.astype(np.float32) for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}
+
+
+def torch_qlora(model_dir, init, rslora=False):
+    backend = create_backend("cpu")
+    cfg = AdapterConfig(type="qlora", r=R, alpha=ALPHA, init=init, rslora=rslora)
+    handle = backend.load_model(ModelConfig(base_model=str(model_dir)), "fp32", adapter=cfg)
+    backend.attach_adapter(handle, cfg)
+    return backend, handle
+
+
+def torch_layers(handle) -> dict:
+    from peft.tuners.lora import LoraLayer
+
+    return {n: m for n, m in handle.model.base_model.model.named_modules() if isinstance(m, LoraLayer)}
+
+
+class OnCpu(torch.Tensor):
+    """A weight whose .to(device=...) stays on the CPU: PEFT sends it to "cuda" or "xpu"."""
+
+    def to(self, *args, dtype=None, **kwargs):
+        return torch.Tensor.to(self.as_subclass(torch.Tensor), dtype=dtype)
+
+
+def peft_loftq(monkeypatch, weight: np.ndarray, dequantized: np.ndarray, r: int):
+    """PEFT 0.21's own `_loftq_init_new` (A, B), bitsandbytes' dequantize_4bit returning `dequantized`."""
+    from peft.utils import loftq_utils
+
+    fake = types.ModuleType("bitsandbytes")
+    fake.functional = types.SimpleNamespace(dequantize_4bit=lambda data, state: torch.from_numpy(dequantized))
+    monkeypatch.setitem(sys.modules, "bitsandbytes", fake)
+    monkeypatch.setattr(loftq_utils, "is_bnb_4bit_available", lambda: True)
+    monkeypatch.setattr(loftq_utils, "is_xpu_available", lambda: False)
+    monkeypatch.setattr(loftq_utils, "clear_device_cache", lambda: None)
+    qweight = types.SimpleNamespace(data=None, quant_state=None)
+    a, b = loftq_utils._loftq_init_new(qweight, torch.from_numpy(weight).as_subclass(OnCpu), num_bits=4,
+                                       reduced_rank=r)
+    return a.numpy(), b.numpy()
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_torch_factors_are_peft_s_own_loftq_over_the_scale(wide_model_dir, monkeypatch, rslora):
+    _, handle = torch_qlora(wide_model_dir, "loftq", rslora)
+    weights, scale = checkpoint(wide_model_dir), ALPHA / (R ** 0.5 if rslora else R)
+    layers = torch_layers(handle)
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        assert layer.scaling["default"] == pytest.approx(scale)
+        dequantized = layer.get_base_layer().dequantize(torch.float32).numpy()
+        a, b = peft_loftq(monkeypatch, weights[f"{name}.weight"], dequantized, R)
+        # PEFT's A, B are unscaled (scale * B @ A = scale * E_r): ours are each over sqrt(scale).
+        a, b = canonical_signs(a / np.sqrt(scale), b / np.sqrt(scale))
+        np.testing.assert_allclose(layer.lora_A["default"].weight.detach().numpy(), a, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(layer.lora_B["default"].weight.detach().numpy(), b, atol=1e-5, err_msg=name)
+
+
+def test_at_scale_one_the_factors_are_peft_s_exactly(monkeypatch):
+    rng = np.random.default_rng(0)
+    w = (0.2 * rng.standard_normal((24, 64))).astype(np.float32)
+    q = (w + 0.01 * rng.standard_normal(w.shape)).astype(np.float32)
+    ours = loftq_factors(w, q, R, 1.0)
+    for mine, peft in zip(ours, canonical_signs(*peft_loftq(monkeypatch, w, q, R))):
+        np.testing.assert_allclose(mine, peft, atol=1e-5)
+
+
+def error_norms(weight, dequantized, delta) -> tuple[float, float]:
+    return float(np.linalg.norm(weight - dequantized)), float(np.linalg.norm(weight - dequantized - delta))
+
+
+def test_torch_start_reduces_each_layer_s_error_and_the_logits_error(wide_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    weights = checkpoint(wide_model_dir)
+    backend, handle = torch_qlora(wide_model_dir, "loftq")
+    for name, layer in torch_layers(handle).items():
+        plain, corrected = error_norms(weights[f"{name}.weight"],
+                                       layer.get_base_layer().dequantize(torch.float32).numpy(),
+                                       layer.get_delta_weight("default").detach().numpy())
+        assert corrected < 0.95 * plain, name
+    batch = random_batch(len(handle.tokenizer))
+    full = AutoModelForCausalLM.from_pretrained(str(wide_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        expected = full(input_ids=torch.as_tensor(batch.input_ids),
+                        attention_mask=torch.as_tensor(batch.attention_mask)).logits.numpy()
+    mask = batch.attention_mask.astype(bool)
+    loftq = np.abs(backend.logits(handle, batch) - expected)[mask].mean()
+    backend, handle = torch_qlora(wide_model_dir, "default")
+    qlora = np.abs(backend.logits(handle, batch) - expected)[mask].mean()
+    assert loftq < qlora, (loftq, qlora)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora", "none"])
+def test_loftq_needs_qlora(tiny_config, kind):
+    with pytest.raises(ValidationError, match="use adapter.type qlora"):
+        AdapterConfig(type=kind, init="loftq")
+    tiny_config["adapter"].update(type=kind, init="loftq")
+    with pytest.raises(Exception, match=r"adapter[\s\S]*init loftq") as info:
+        load_config(tiny_config)
+    assert f"adapter.type {kind}" in str(info.value)
+    with pytest.raises(ValidationError, match="keep one"):
+        AdapterConfig(type="qlora", init="loftq", init_from="somewhere")
+
+
+def test_a_loftq_run_resumes_bit_for_bit(tiny_config, tmp_path):
+    from safetensors.numpy import load_file
+
+    from .test_loraplus import loraplus_config, straight_and_resumed
+
+    cfg = loraplus_config(tiny_config, tmp_path, type="qlora", init="loftq")
+    del cfg["training"]["loraplus_lr_ratio"]
+    straight, resumed = straight_and_resumed(cfg, "cpu", "cpu", tmp_path)
+    assert resumed.resumed_from == 3 and resumed.losses == straight.losses
+    a, b = (load_file(str(tmp_path / name / "adapter_model.safetensors")) for name in ("straight", "moved"))
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    # A plain QLoRA adapter: PEFT reloads it with no LoftQ step (nor bitsandbytes).
+    assert json.loads((tmp_path / "straight" / "adapter_config.json").read_text())["init_lora_weights"] is True
+
+
+def test_the_adapter_merges_onto_the_dequantized_base(wide_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    backend, handle = torch_qlora(wide_model_dir, "loftq")
+    batch = random_batch(len(handle.tokenizer), seed=2)
+    expected = backend.logits(handle, batch)
+    dequantized = {f"{n}.weight": l.get_base_layer().dequantize(torch.float32) + l.get_delta_weight("default")
+                   for n, l in torch_layers(handle).items()}
+    backend.merge_and_save(handle, str(tmp_path / "merged"), dtype="float32")
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    state = merged.state_dict()
+    for key, weight in dequantized.items():
+        np.testing.assert_allclose(state[key].numpy(), weight.detach().numpy(), atol=1e-6, err_msg=key)
+    with torch.no_grad():
+        logits = merged(input_ids=torch.as_tensor(batch.input_ids),
+                        attention_mask=torch.as_tensor(batch.attention_mask)).logits.numpy()
+    mask = batch.attention_mask.astype(bool)
+    np.testing.assert_allclose(logits[mask], expected[mask], atol=1e-4)
+
+
+@pytest.mark.mlx
+def test_mlx_corrects_its_own_quantizer_s_error(wide_model_dir):
+    mx = pytest.importorskip("mlx.core")
+    from mudpuppy.backends.mlx.layers import adapter_layers, base_weight
+
+    weights = checkpoint(wide_model_dir)
+    backend = create_backend("mlx")
+    cfg = AdapterConfig(type="qlora", r=R, alpha=ALPHA, init="loftq")
+    handle = backend.load_model(ModelConfig(base_model=str(wide_model_dir)), "fp32", adapter=cfg)
+    backend.attach_adapter(handle, cfg)
+    _, torch_handle = torch_qlora(wide_model_dir, "loftq")
+    torch_bases = {n: l.get_base_layer().dequantize(torch.float32).numpy() for n, l in torch_layers(torch_handle).items()}
+    layers = adapter_layers(handle.model)
+    assert set(layers) == set(torch_bases)
+    for path, layer in layers.items():
+        weight, base = weights[f"{path}.weight"], np.array(base_weight(layer.linear).astype(mx.float32))
+        assert np.abs(base - torch_bases[path]).max() > 1e-3, "the two runtimes' 4-bit bases differ"
+        a, b = loftq_factors(weight, base, R, ALPHA / R)
+        np.testing.assert_allclose(np.array(layer.lora_a.T), a, atol=1e-5, err_msg=path)
+        np.testing.assert_allclose(np.array(layer.lora_b.T), b, atol=1e-5, err_msg=path)
+        plain, corrected = error_norms(weight, base, layer.scale * (b @ a))
+        assert corrected < 0.95 * plain, path
+    batch = random_batch(len(handle.tokenizer))
+    full_backend = create_backend("mlx")
+    full = full_backend.load_model(ModelConfig(base_model=str(wide_model_dir)), "fp32")
+    expected = full_backend.logits(full, batch)
+    mask = batch.attention_mask.astype(bool)
+    loftq = np.abs(backend.logits(handle, batch) - expected)[mask].mean()
+    plain_cfg = AdapterConfig(type="qlora", r=R, alpha=ALPHA)
+    plain = backend.load_model(ModelConfig(base_model=str(wide_model_dir)), "fp32", adapter=plain_cfg)
+    backend.attach_adapter(plain, plain_cfg)
+    assert loftq < np.abs(backend.logits(plain, batch) - expected)[mask].mean()
