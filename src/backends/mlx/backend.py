@@ -105,6 +105,10 @@ class MlxBackend:
             from .eva import attach_eva
 
             return attach_eva(self, handle, adapter_cfg, batches)
+        if getattr(adapter_cfg, "init", "default") == "loftq":   # A, B from MLX's own 4-bit error (loftq.py)
+            from .loftq import attach_loftq
+
+            return attach_loftq(self, handle, adapter_cfg)
         model = handle.model
         kind = adapter_cfg.type
         if kind == "none":
