@@ -153,21 +153,28 @@ class ChatModel:
 
 def load_chat_model(target: str, backend: str | None = None, precision: str = "auto", base_model: str | None = None,
                     chat_template: str | None = None, name: str | None = None,
-                    trust_remote_code: bool = False) -> ChatModel:
+                    trust_remote_code: bool = False, base: bool = False) -> ChatModel:
     """TARGET (run, adapter, model directory, .gguf or alias) loaded on `backend` (default: the run's, else auto).
-    Model code runs only with `trust_remote_code` (--trust-remote-code), never from a run's config.yaml."""
+    With `base`, the target's base with no adapter, loaded as `eval --base` loads it (a QLoRA run's base
+    quantized as in training, the run's tokenizer and template). Model code runs only with
+    `trust_remote_code` (--trust-remote-code), never from a run's config.yaml."""
     from ..backends import create_backend
     from ..evaluation.targets import resolve_target
 
     column = resolve_target(target, base_model, chat_template, trust_remote_code)
-    impl = create_backend(backend or (column.cfg.backend if column.kind == "run" else "auto"))
+    run_backend = column.cfg.backend if column.kind == "run" else "auto"
+    if base:
+        column = column.base()
+        if column is None:
+            raise MudpuppyError(f"{target}: a plain model, with no base to compare it with")
+    impl = create_backend(backend or run_backend)
     handle = column.load(impl, precision)
     if apply_chat_template_choice(handle.tokenizer, column.cfg.data.chat_template) is None:
         raise MudpuppyError(f"{target}: its tokenizer has no chat template, so there is no way to lay out a "
                             f"conversation; pass --chat-template with a built-in ({', '.join(BUILTIN_TEMPLATES)}) "
                             "or your own Jinja")
     system = None
-    if column.kind == "run" and column.cfg.data.datasets:
+    if (column.kind == "run" or base) and column.cfg.data.datasets:
         system = column.cfg.data.datasets[0].system_prompt
     return ChatModel(impl, handle, name or default_name(target), column.describe(), system,
                      stop_token_ids(handle.tokenizer))

@@ -63,25 +63,6 @@ def conversation_of(body: dict) -> tuple[list[dict], str]:
     return [dict(role=m["role"], content=m["content"]) for m in messages[:-1]], messages[-1]["content"]
 
 
-def load_base_chat_model(folder: Path, backend: str | None):
-    """The run's base with the adapter off, as `mudpuppy eval --base` loads it (targets.Column.base: a QLoRA
-    run's base quantized as in training, the run's tokenizer and chat template), as a serving ChatModel."""
-    from ..backends import create_backend
-    from ..data.templates import apply_chat_template_choice
-    from ..evaluation.heldout import stop_token_ids
-    from ..evaluation.targets import resolve_target
-    from ..serving.engine import ChatModel
-
-    base = resolve_target(str(folder), None, None).base()
-    if base is None:
-        raise TalkError(f"{folder.name}: a plain model, with no base to compare it with")
-    impl = create_backend(backend or base.cfg.backend)
-    handle = base.load(impl, "auto")
-    apply_chat_template_choice(handle.tokenizer, base.cfg.data.chat_template)
-    system = base.cfg.data.datasets[0].system_prompt if base.cfg.data.datasets else None
-    return ChatModel(impl, handle, f"base of {folder.name}", base.describe(), system, stop_token_ids(handle.tokenizer))
-
-
 class Talk:
     """The models the pane talks to: one run's at a time, loaded on its first message."""
 
@@ -109,7 +90,7 @@ class Talk:
             if side == "run":
                 self.models[side] = load_chat_model(str(folder), None, "auto", name=name)
             else:
-                self.models[side] = load_base_chat_model(folder, None)
+                self.models[side] = load_chat_model(str(folder), None, "auto", name=f"base of {name}", base=True)
             model = self.models[side]
             say(f"loaded: {model.description}; backend {model.backend.name} on {model.backend.device}")
         return self.models[side]
