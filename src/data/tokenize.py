@@ -137,7 +137,8 @@ def encode_by_pieces(tokenizer, item: Rendered, add_special_tokens: bool) -> tup
 
 
 def span_masks(items: list[Rendered], offsets: np.ndarray, bounds: np.ndarray, train_on_eos: str) -> np.ndarray:
-    """`span_mask` of every text of a batch at once: each token's start and each span are keyed by their
+    """Every text of a batch's trained-span mask at once (a token the tokenizer did not add carries loss
+    where it starts inside a span): each token's start and each span are keyed by their
     text (text j's characters become j * width + c), so one sorted search over the batch finds for each
     token the last span that starts at or before it, which is its own text's or, where its text has none
     before it, an earlier text's, which ends before it."""
@@ -155,24 +156,13 @@ def span_masks(items: list[Rendered], offsets: np.ndarray, bounds: np.ndarray, t
     return (ends > starts) & (k >= 0) & (key < hi[np.maximum(k, 0)])
 
 
-def span_mask(starts: np.ndarray, real: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """A token carries loss when it is the tokenizer's own (not an added special token) and starts in a span."""
-    if not spans:
-        return np.zeros(len(starts), dtype=bool)
-    lo = np.asarray([a for a, _ in spans])
-    hi = np.asarray([b for _, b in spans])
-    k = np.searchsorted(lo, starts, side="right") - 1
-    return real & (k >= 0) & (starts < hi[np.maximum(k, 0)])
-
-
 def build_example(eos: int | None, item: Rendered, ids: np.ndarray, offsets: np.ndarray,
-                  train_on_eos: str, source: str, mask: np.ndarray | None = None) -> Example:
-    """The example of one text from its ids and offsets; `mask`: its `span_mask`, where already computed."""
+                  train_on_eos: str, source: str, mask: np.ndarray) -> Example:
+    """The example of one text from its ids, offsets and trained-span mask (`span_masks`): PRM anchors,
+    image runs and the appended EOS applied to it."""
     ids_arr = np.asarray(ids, dtype=np.int32)
     starts, ends = offsets[:, 0], offsets[:, 1]
     real = ends > starts                      # special tokens added by the tokenizer have empty offsets
-    if mask is None:
-        mask = span_mask(starts, real, item.trained_spans(train_on_eos))
     if item.anchors:
         mask = np.zeros(len(ids_arr), dtype=bool)
         real_idx = np.flatnonzero(real)

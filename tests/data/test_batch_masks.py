@@ -7,11 +7,22 @@ import numpy as np
 import pytest
 
 from mudpuppy.data.render import Rendered
-from mudpuppy.data.tokenize import encode_flat, span_mask, span_masks
+from mudpuppy.data.tokenize import encode_flat, span_masks
 
 TEXTS = ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello there<|im_end|>\n",
          "short", "", "a much longer text than the others, so the widths differ " * 4,
          "emoji \U0001f600\U0001f600 and accents: d\u00e9j\u00e0 vu"]
+
+
+def span_mask(starts: np.ndarray, real: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """One text's mask as it was computed before batches (52927f0's build_example): a token the tokenizer
+    did not add carries loss when the last span starting at or before it has not ended."""
+    if not spans:
+        return np.zeros(len(starts), dtype=bool)
+    lo = np.asarray([a for a, _ in spans])
+    hi = np.asarray([b for _, b in spans])
+    k = np.searchsorted(lo, starts, side="right") - 1
+    return real & (k >= 0) & (starts < hi[np.maximum(k, 0)])
 
 
 def spans_for(text: str, rng: np.random.Generator) -> list[tuple[int, int, str]]:
