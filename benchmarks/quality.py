@@ -3,6 +3,8 @@
     python benchmarks/quality.py                                   # the full grid (long on a CPU)
     python benchmarks/quality.py --tasks smart_home --precision auto --seeds 42,11,7,3,99
     python benchmarks/quality.py --table-only                      # print the table of what --out holds
+    # plain LoRA against each adapter.init and LoRA+ (docs/methods.md, "Measured: LoRA initialisations"):
+    python benchmarks/quality.py --compare inits --tasks tickets --precision auto --seeds 42,11,7 --steps 20
 
 Each cell (task, side, precision, seed) trains in its own process, then a
 second process evaluates the adapter with plain transformers + PEFT (no
@@ -26,6 +28,10 @@ Tasks:
               validation shares templates with training, see docs/benchmarks.md)
   tickets     configs/data/tickets_{train,val}.jsonl (400/100, built by configs/data/make_tickets.py;
               held-out templates never occur in training)
+
+Variants: --compare inits runs mudpuppy alone with each LoRA start (adapter.init) and LoRA+ as its own tag,
+seeds outermost; a variant this mudpuppy's load_config refuses is skipped with its reason; --only picks
+some, --variant NAME:key=value[,key=value] adds one of your own.
 
 Ablations: --tag NAME with --mp-set key=value (a mudpuppy config override,
 dotted) and/or --trl-set key=value (an SFTConfig field) runs the grid with one
@@ -62,6 +68,21 @@ TASKS = {
 SETTINGS = {"r": 16, "alpha": 32, "lr": 1e-3, "warmup": 5, "batch": 8, "max_len": 256, "max_grad_norm": 1.0}
 SIDES = ("mudpuppy", "trl")
 DEFAULT_OUT = REPO / "benchmarks" / "results" / f"quality-{date.today().isoformat()}.json"
+# --compare NAME: mudpuppy variants run side by side, each under its own tag (its name) with its overrides.
+# A variant this mudpuppy refuses (load_config) is skipped with the reason, so the list can name what is
+# still being built.
+COMPARISONS = {
+    "inits": {
+        "lora": (),
+        "gaussian": ("adapter.init=gaussian",),
+        "pissa": ("adapter.init=pissa",),
+        "pissa_niter_4": ("adapter.init=pissa_niter_4",),
+        "olora": ("adapter.init=olora",),
+        "loftq": ("adapter.init=loftq",),
+        "eva": ("adapter.init=eva",),
+        "loraplus": ("training.loraplus_lr_ratio=16",),
+    },
+}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -118,9 +139,8 @@ def train_trl(task: dict, steps: int, seed: int, precision: str, out: Path, sets
             "precision_ran": precision, "peak_rss_mb": peak_rss_mb(), "model_path": path}
 
 
-def train_mudpuppy(task: dict, steps: int, seed: int, precision: str, out: Path, sets: dict) -> dict:
-    from mudpuppy import create_backend, load_config, run
-
+def mudpuppy_raw(task: dict, steps: int, seed: int, precision: str, out: Path, sets: dict) -> dict:
+    """The mudpuppy config of one cell, `sets` (dotted keys, `_patch` excluded) applied."""
     raw = {
         "model": {"base_model": "smollm2-135m-instruct"},
         "backend": "cpu",
@@ -135,7 +155,21 @@ def train_mudpuppy(task: dict, steps: int, seed: int, precision: str, out: Path,
         "output_dir": str(out),
         "logging": {"progress_bar": False},
     }
-    patches = str(sets.pop("_patch", "")).split("+")
+    for key, value in sets.items():
+        if key == "_patch":
+            continue
+        node = raw
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return raw
+
+
+def train_mudpuppy(task: dict, steps: int, seed: int, precision: str, out: Path, sets: dict) -> dict:
+    from mudpuppy import create_backend, load_config, run
+
+    patches = str(sets.get("_patch", "")).split("+")
     if "old_warmup" in patches:
         # Ablation: mudpuppy's warmup before issue 31 (update k at lr*(k+1)/warmup, so update 0 already
         # moves the weights) instead of transformers' (update 0 at lr 0), which mudpuppy now follows.
@@ -147,13 +181,7 @@ def train_mudpuppy(task: dict, steps: int, seed: int, precision: str, out: Path,
             return cfg.learning_rate * (step + 1) / warmup if step < warmup else learning_rate(cfg, step, total_steps)
 
         loop.learning_rate = old_learning_rate
-    for key, value in sets.items():
-        node = raw
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    cfg = load_config(raw)
+    cfg = load_config(mudpuppy_raw(task, steps, seed, precision, out, sets))
     start = time.perf_counter()
     result = run(cfg, create_backend("cpu"), overwrite=True, echo=lambda *_: None)
     seconds = time.perf_counter() - start
@@ -251,10 +279,55 @@ def machine() -> dict:
     return {"cpu": cpu, "python": platform.python_version()}
 
 
-def run_cell(args, task_name: str, side: str, precision: str, seed: int, native: str) -> dict:
+def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
+    """NAME:key=value[,key=value...] (NAME alone: no override) as (name, overrides)."""
+    name, _, sets = text.partition(":")
+    overrides = tuple(x for x in sets.split(",") if x)
+    bad = [x for x in overrides if "=" not in x]
+    if not name or bad:
+        raise SystemExit(f"--variant {text!r}: expected NAME or NAME:key=value[,key=value], e.g. "
+                         f"pissa:adapter.init=pissa")
+    return name, overrides
+
+
+def variants_of(args) -> list[tuple[str, list[str]]]:
+    """(tag, mudpuppy overrides) of each variant the driver runs: --compare's and --variant's, else --tag's."""
+    chosen: list[tuple[str, tuple[str, ...]]] = []
+    for name in (args.compare.split(",") if args.compare else []):
+        if name not in COMPARISONS:
+            raise SystemExit(f"--compare {name!r}: known comparisons are {', '.join(COMPARISONS)}")
+        chosen += list(COMPARISONS[name].items())
+    chosen += [parse_variant(v) for v in args.variant]
+    if not chosen:
+        return [(args.tag, list(args.mp_set))]
+    if args.only:
+        names = args.only.split(",")
+        unknown = [n for n in names if n not in dict(chosen)]
+        if unknown:
+            raise SystemExit(f"--only {','.join(unknown)}: not among the variants ({', '.join(dict(chosen))})")
+        chosen = [(n, o) for n, o in chosen if n in names]
+    if "trl" in args.sides.split(","):
+        raise SystemExit("--compare / --variant run mudpuppy's settings only: pass --sides mudpuppy")
+    return [(name, list(args.mp_set) + list(overrides)) for name, overrides in chosen]
+
+
+def refusal(task_name: str, steps: int, sets: list[str]) -> str | None:
+    """Why this mudpuppy's load_config refuses the overrides on the task, or None when it accepts them."""
+    from mudpuppy import ConfigError, load_config
+
+    try:
+        load_config(mudpuppy_raw(TASKS[task_name], steps, 0, "auto", Path("outputs/bench-quality/check"),
+                                 parse_sets(sets)))
+    except ConfigError as e:
+        return " ".join(str(e).split())
+    return None
+
+
+def run_cell(args, task_name: str, side: str, precision: str, seed: int, native: str, tag: str,
+             mp_set: list[str]) -> dict:
     task = TASKS[task_name]
     steps = args.steps or task["steps"]
-    work = args.work / f"{task_name}-{side}-{precision}-{seed}-{args.tag}"
+    work = args.work / f"{task_name}-{side}-{precision}-{seed}-{tag}"
     work.mkdir(parents=True, exist_ok=True)
     train_json, eval_json = work / "train.json", work / "eval.json"
     # Each side's precision for `auto`: TRL takes the native one (as sft_cpu.py), mudpuppy resolves `auto` itself.
@@ -266,7 +339,7 @@ def run_cell(args, task_name: str, side: str, precision: str, seed: int, native:
     cmd = [sys.executable, __file__, "--worker", f"train-{side}", "--task-name", task_name, "--seed", str(seed),
            "--worker-precision", side_precision, "--worker-steps", str(steps), "--worker-dir", str(work),
            "--result", str(train_json)]
-    for s in args.mp_set if side == "mudpuppy" else args.trl_set:
+    for s in mp_set if side == "mudpuppy" else args.trl_set:
         cmd += ["--set", s]
     subprocess.run(cmd, check=True, env=env)
     trained = json.loads(train_json.read_text())
@@ -274,11 +347,11 @@ def run_cell(args, task_name: str, side: str, precision: str, seed: int, native:
                     trained["adapter"], "--model-path", trained["model_path"], "--result", str(eval_json)],
                    check=True, env=env)
     ev = json.loads(eval_json.read_text())
-    return {"task": task_name, "side": side, "precision": precision, "seed": seed, "tag": args.tag, "steps": steps,
+    return {"task": task_name, "side": side, "precision": precision, "seed": seed, "tag": tag, "steps": steps,
             "precision_ran": trained["precision_ran"], "exact_match": ev["exact_match"],
             "heldout_loss": ev["heldout_loss"], "wrong": ev["wrong"], "train_seconds": trained["train_seconds"],
             "cell_seconds": time.perf_counter() - start, "losses": trained["losses"],
-            "peak_rss_mb": trained["peak_rss_mb"], "sets": args.mp_set if side == "mudpuppy" else args.trl_set,
+            "peak_rss_mb": trained["peak_rss_mb"], "sets": mp_set if side == "mudpuppy" else args.trl_set,
             "threads": args.threads,
             "date": date.today().isoformat()}
 
@@ -323,18 +396,42 @@ def print_table(results: dict, tags: list[str] | None = None) -> None:
             print(f"  difference of means mudpuppy - TRL: EM {d_em:+.3f}   loss {d_loss:+.4f}")
 
 
+def print_comparison(results: dict, tags: list[str]) -> None:
+    """One row per variant (tag): held-out exact match and loss over its seeds, and its times."""
+    cells = [c for c in results["cells"].values() if c["tag"] in tags and c["side"] == "mudpuppy"]
+    for task, precision, steps in sorted({(c["task"], c["precision"], c["steps"]) for c in cells}):
+        print(f"\n== task {task}, precision {precision}, {steps} steps, mudpuppy ==")
+        print(f"{'variant':14s} {'n':>2s}  {'exact match mean ± std (min-max)':34s} {'held-out loss':>13s} "
+              f"{'train s (median)':>16s} {'cell s':>7s}")
+        for tag in tags:
+            mine = [c for c in cells if (c["task"], c["precision"], c["steps"], c["tag"]) == (task, precision, steps, tag)]
+            if not mine:
+                continue
+            em = [c["exact_match"] for c in mine]
+            loss = statistics.fmean(c["heldout_loss"] for c in mine)
+            print(f"{tag:14s} {len(mine):2d}  {stats(em):34s} {loss:13.4f} "
+                  f"{statistics.median(c['train_seconds'] for c in mine):16.0f} "
+                  f"{statistics.median(c['cell_seconds'] for c in mine):7.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="42,11,7,3,99")
     ap.add_argument("--precision", default="auto,fp32", help="comma list of auto, fp32")
     ap.add_argument("--tasks", default="smart_home,tickets")
-    ap.add_argument("--sides", default="mudpuppy,trl")
+    ap.add_argument("--sides", default=None, help="mudpuppy,trl (default; with --compare/--variant: mudpuppy)")
     ap.add_argument("--steps", type=int, default=None, help="override each task's step count")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--work", type=Path, default=Path("outputs/bench-quality"), help="adapters and per-cell files")
     ap.add_argument("--tag", default="base", help="name of an ablation (cells are keyed by it)")
     ap.add_argument("--mp-set", action="append", default=[], help="mudpuppy config override key=value (dotted)")
     ap.add_argument("--trl-set", action="append", default=[], help="SFTConfig override key=value")
+    ap.add_argument("--compare", default=None,
+                    help=f"comma list of variant sets to run side by side on mudpuppy: {', '.join(COMPARISONS)} "
+                         f"(inits: {', '.join(COMPARISONS['inits'])}); each variant is a tag")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="a variant of your own, NAME:key=value[,key=value] (mudpuppy overrides; NAME is its tag)")
+    ap.add_argument("--only", default=None, help="comma list: run only these of --compare's variants")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per worker (default: torch's). 1 is faster on a 2-core machine that "
                          "something else is also using: two threads then wait on each other at every matmul")
@@ -367,9 +464,14 @@ def main() -> None:
         args.result.write_text(json.dumps(r))
         return
 
+    args.sides = args.sides or ("mudpuppy" if args.compare or args.variant else "mudpuppy,trl")
     results = load_results(args.out)
+    variants = variants_of(args)
     if args.table_only:
-        print_table(results, args.show_tags.split(",") if args.show_tags else None)
+        if args.compare or args.variant:
+            print_comparison(results, [tag for tag, _ in variants])
+        else:
+            print_table(results, args.show_tags.split(",") if args.show_tags else None)
         return
     native, why = native_precision()
     results["meta"].setdefault("runs", []).append({
@@ -377,22 +479,36 @@ def main() -> None:
         "auto_means": f"TRL {native} ({why}); mudpuppy resolves precision: auto itself (see precision_ran)"})
     print(f"precision auto: TRL {native} ({why}); mudpuppy: its own `auto` (recorded per cell)", flush=True)
     seeds = [int(s) for s in args.seeds.split(",")]
+    compared = bool(args.compare or args.variant)
     for task in args.tasks.split(","):
+        runnable = variants
+        if compared:
+            steps = args.steps or TASKS[task]["steps"]
+            why = {tag: refusal(task, steps, sets) for tag, sets in variants}
+            for tag, reason in why.items():
+                if reason:
+                    print(f"-- variant {tag} skipped: mudpuppy refuses it ({reason})", flush=True)
+            runnable = [(tag, sets) for tag, sets in variants if not why[tag]]
         for precision in args.precision.split(","):
+            # Seeds outermost: a stopped comparison has every variant at the same number of seeds.
             for seed in seeds:
-                for side in args.sides.split(","):
-                    key = cell_key(task, side, precision, seed, args.tag)
-                    if key in results["cells"]:
-                        continue
-                    print(f"-- {key} ...", flush=True)
-                    cell = run_cell(args, task, side, precision, seed, native)
-                    results["cells"][key] = cell
-                    save_results(args.out, results)
-                    print(f"   exact match {cell['exact_match']:.3f}  held-out loss {cell['heldout_loss']:.4f}  "
-                          f"({cell['precision_ran']}, train {cell['train_seconds']:.0f} s, cell "
-                          f"{cell['cell_seconds']:.0f} s)", flush=True)
+                for tag, sets in runnable:
+                    for side in args.sides.split(","):
+                        key = cell_key(task, side, precision, seed, tag)
+                        if key in results["cells"]:
+                            continue
+                        print(f"-- {key} ...", flush=True)
+                        cell = run_cell(args, task, side, precision, seed, native, tag, sets)
+                        results["cells"][key] = cell
+                        save_results(args.out, results)
+                        print(f"   exact match {cell['exact_match']:.3f}  held-out loss {cell['heldout_loss']:.4f}  "
+                              f"({cell['precision_ran']}, train {cell['train_seconds']:.0f} s, cell "
+                              f"{cell['cell_seconds']:.0f} s)", flush=True)
     save_results(args.out, results)
-    print_table(results, [args.tag])
+    if compared:
+        print_comparison(results, [tag for tag, _ in variants])
+    else:
+        print_table(results, [args.tag])
 
 
 if __name__ == "__main__":
