@@ -206,3 +206,24 @@ def test_mlx_corrects_its_own_quantizer_s_error(wide_model_dir):
     plain = backend.load_model(ModelConfig(base_model=str(wide_model_dir)), "fp32", adapter=plain_cfg)
     backend.attach_adapter(plain, plain_cfg)
     assert loftq < np.abs(backend.logits(plain, batch) - expected)[mask].mean()
+
+
+def test_parity_s_second_side_starts_from_the_first_side_s_factors(wide_model_dir, tmp_path):
+    """`mudpuppy parity` attaches the second side with init_from the first side's saved start: that start
+    is kept, not replaced by this runtime's own LoftQ factors."""
+    backend, handle = torch_qlora(wide_model_dir, "loftq")
+    backend.save_adapter(handle, str(tmp_path / "init"))
+    saved = {n: l.lora_B["default"].weight.detach().clone() for n, l in torch_layers(handle).items()}
+    cfg = AdapterConfig(type="qlora", r=R, alpha=ALPHA, init="loftq").model_copy(
+        update={"init_from": str(tmp_path / "init"), "init": "loftq"})
+    second = create_backend("cpu")
+    h2 = second.load_model(ModelConfig(base_model=str(wide_model_dir)), "fp32", adapter=cfg)
+    from mudpuppy.backends.torch.quantization.linear4bit import Linear4bit
+
+    with torch.no_grad():
+        for layer in h2.model.modules():
+            if isinstance(layer, Linear4bit):
+                layer.qweight.zero_()      # another base: its own LoftQ factors would differ
+    second.attach_adapter(h2, cfg)
+    for name, layer in torch_layers(h2).items():
+        assert torch.equal(layer.lora_B["default"].weight, saved[name]), name

@@ -25,6 +25,8 @@ def attach_loftq(backend, handle, adapter_cfg):
     target (a target MLX kept at full precision, its width not a multiple of the group, keeps the default
     start, as PEFT leaves a layer that is not 4-bit)."""
     info = backend.attach_adapter(handle, adapter_cfg.model_copy(update={"init": "default"}))
+    if adapter_cfg.init_from:          # `mudpuppy parity`'s second side starts from the first side's A, B
+        return info
     layers = {path: layer for path, layer in adapter_layers(handle.model).items()
               if isinstance(layer.linear, nn.QuantizedLinear)}
     if not layers:

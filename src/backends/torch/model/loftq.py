@@ -22,7 +22,8 @@ from .loading import checkpoint_files, read_entry, read_header
 def attach_loftq(backend, handle, adapter_cfg) -> AdapterInfo:
     """The QLoRA adapter attach_adapter gives, its A, B replaced by LoftQ's; what attach_adapter returns."""
     info = attach_adapter(backend, handle, adapter_cfg.model_copy(update={"init": "default"}))
-    set_loftq_factors(handle, Path(handle.source))
+    if not adapter_cfg.init_from:      # `mudpuppy parity`'s second side starts from the first side's A, B
+        set_loftq_factors(handle, Path(handle.source))
     return info
 
 
