@@ -78,9 +78,11 @@ COMPARISONS = {
         "pissa": ("adapter.init=pissa",),
         "pissa_niter_4": ("adapter.init=pissa_niter_4",),
         "olora": ("adapter.init=olora",),
-        "loftq": ("adapter.init=loftq",),
         "eva": ("adapter.init=eva",),
         "loraplus": ("training.loraplus_lr_ratio=16",),
+        # LoftQ starts from a 4-bit base's quantization error: compared with QLoRA on that base, not with LoRA.
+        "qlora": ("adapter.type=qlora",),
+        "loftq": ("adapter.type=qlora", "adapter.init=loftq"),
     },
 }
 
