@@ -382,15 +382,13 @@ class BackendProtocol(Protocol):
         its adapter switched off, without gradient (as reference_logprobs). Without `grad`:
         eval mode, no graph."""
 
-    def seed(self, seed: int) -> None: ...
-
-    def host_backend(self) -> "BackendProtocol":
     def token_divergence(
         self, handle: ModelHandle, teacher: ModelHandle, batch: "Batch", divergence: Callable[[Any, Any], Any],
         grad: bool = True, temperature: float = 1.0, top_k: int = 0,
     ) -> Any:
-        """Distillation's loss, a native float32 scalar: `divergence(student, teacher)` summed over chunks
-        of the positions whose label is not -100, each argument [chunk, V] log-probabilities of that
+        """Distillation's loss, a native float32 scalar: the [chunk, V] terms `divergence(student, teacher)`
+        returns, summed over the vocabulary and then over chunks of the positions whose label is not -100
+        (the vocabulary first: float32 digits), each argument [chunk, V] log-probabilities of that
         model's logits / `temperature` (with `top_k`, [chunk, k + 1]: the teacher's k likeliest tokens and
         one bucket for the rest of the mass, in both). `teacher` is a second causal LM of the same
         vocabulary from load_model; it runs without gradient, in eval mode. Each model's decoder runs once
@@ -398,6 +396,9 @@ class BackendProtocol(Protocol):
         once, with gradient or without. With `grad` the result carries gradient to the student's
         trainable weights; without, eval mode and no graph."""
 
+    def seed(self, seed: int) -> None: ...
+
+    def host_backend(self) -> "BackendProtocol":
         """This runtime on the host's own memory, for work that needs no accelerator and would not fit beside
         a live run on it (the merge at the end of training loads the base again in fp32): itself where the
         device is host memory (torch on a CPU, MLX's unified memory)."""

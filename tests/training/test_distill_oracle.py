@@ -23,7 +23,7 @@ from mudpuppy.backends.torch.divergence import top_k_buckets
 from mudpuppy.data import Batch
 from mudpuppy.errors import MudpuppyError
 from mudpuppy.training.distill import DistillObjective, check_vocabularies
-from mudpuppy.training.distill_loss import divergence_sum
+from mudpuppy.training.distill_loss import divergence_terms
 
 from ..conftest import build_tiny_model, randomize_lora, tiny_run_config
 
@@ -55,8 +55,8 @@ def heads(n=37, vocab=53, seed=0):
 
 
 def ours(ops, s_logits, t_logits, beta, temperature):
-    return divergence_sum(ops, (s_logits / temperature).log_softmax(-1), (t_logits / temperature).log_softmax(-1),
-                          beta)
+    return divergence_terms(ops, (s_logits / temperature).log_softmax(-1), (t_logits / temperature).log_softmax(-1),
+                            beta).sum()
 
 
 @pytest.mark.parametrize("beta", BETAS)
@@ -95,7 +95,7 @@ def test_top_k_buckets_equal_the_server_distillations_tail_bucket(backend, beta,
     s_k, mask = _add_tail_bucket(s.gather(-1, index), valid)
     t_k, _ = _add_tail_bucket(t.gather(-1, index), valid)
     trl = _jsd_divergence(s_k, t_k, beta, support_mask=mask).sum()
-    mine = divergence_sum(backend.ops, *top_k_buckets(s, t, k), beta)
+    mine = divergence_terms(backend.ops, *top_k_buckets(s, t, k), beta).sum()
     assert abs(float(mine) - float(trl)) < TOL
 
 
@@ -139,7 +139,7 @@ def test_token_divergence_equals_the_loss_of_both_models_full_logits(backend, ti
                                                                      monkeypatch, loss, top_k):
     """The chunked path (chunks of 16 rows here) against TRL's loss on each model's own [B, T, V] logits;
     with gradient the same value."""
-    monkeypatch.setattr("mudpuppy.backends.torch.divergence.LOSS_CHUNK_TOKENS", 16)
+    monkeypatch.setattr("mudpuppy.backends.torch.divergence.CHUNK_TOKENS", 16)
     cfg, student, teacher = models(backend, tiny_model_dir, teacher_dir, tmp_path)
     d = cfg.distill.model_copy(update={"loss": loss, "top_k": top_k, "beta": 0.3})
     batch = batch_of(ROWS)
@@ -167,14 +167,14 @@ def test_token_divergence_equals_the_loss_of_both_models_full_logits(backend, ti
 def test_the_teachers_chunks_are_its_own_forward(backend, tiny_model_dir, teacher_dir, tmp_path, monkeypatch):
     """What the divergence receives as the teacher's log-probs, chunk by chunk, is log_softmax of the
     teacher's own forward at the loss positions, in order."""
-    monkeypatch.setattr("mudpuppy.backends.torch.divergence.LOSS_CHUNK_TOKENS", 16)
+    monkeypatch.setattr("mudpuppy.backends.torch.divergence.CHUNK_TOKENS", 16)
     _, student, teacher = models(backend, tiny_model_dir, teacher_dir, tmp_path)
     batch = batch_of(ROWS)
     seen = []
 
     def record(s, t):
         seen.append(t.detach().numpy().copy())
-        return (s * 0).sum()
+        return s * 0
 
     backend.token_divergence(student, teacher, batch, record, grad=False, temperature=0.5)
     keep = batch.labels != -100

@@ -279,10 +279,6 @@ class MlxBackend:
             logps, entropies = logprobs.token_logprobs(handle, batch, temperature, entropy)
         return mx.stop_gradient(logps), entropies
 
-    @staticmethod
-    def _router_aux(handle: MlxModel, tape: list | None, batch, grad: bool) -> mx.array:
-        if tape is None:
-            return mx.zeros(())
     def token_divergence(self, handle: MlxModel, teacher: MlxModel, batch, divergence, grad: bool = True,
                          temperature: float = 1.0, top_k: int = 0) -> mx.array:
         """Distillation's loss, the heads a chunk of positions at a time (divergence.py)."""
@@ -290,6 +286,10 @@ class MlxBackend:
 
         return token_divergence(handle, teacher, batch, divergence, grad, temperature, top_k)
 
+    @staticmethod
+    def _router_aux(handle: MlxModel, tape: list | None, batch, grad: bool) -> mx.array:
+        if tape is None:
+            return mx.zeros(())
         term = router_aux_loss(handle, tape, batch)
         return term if grad else mx.stop_gradient(term)
 

@@ -65,7 +65,7 @@ def token_divergence(handle, teacher, batch, divergence, grad: bool = True, temp
         student = log_softmax(student_logits, temperature)
         if index is not None:
             student = tail_bucket(mx.take_along_axis(student, index, axis=-1))
-        return divergence(student, teacher_logp)
+        return divergence(student, teacher_logp).sum(axis=-1).sum()     # the vocabulary first: float32 digits
 
     if not grad:
         with eval_mode(handle.model):
