@@ -66,6 +66,10 @@ TOLERANCES = {
 REFUSED_METHODS = {
     "grpo": "GRPO samples its completions from each runtime's own random stream, so the two runs train on "
             "different rollouts by design",
+    "rloo": "RLOO samples its completions from each runtime's own random stream, so the two runs train on "
+            "different rollouts by design",
+    "online_dpo": "online DPO samples its pairs from each runtime's own random stream, so the two runs train on "
+                  "different pairs by design",
     "rm": "a reward model's new scalar head is initialised by each runtime's own random stream",
     "prm": "a process reward model's new head is initialised by each runtime's own random stream",
     "gptq": "GPTQ quantizes once without optimizer steps; compare its exports instead",

@@ -4,6 +4,7 @@ bad input ends in one message, and the result lands in a run's model card."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -178,3 +179,15 @@ def test_the_card_section_is_replaced_not_repeated(tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert card.count(HEADING) == 1 and "**beyond tolerances**" in card and "- step 1: loss differs by 1" in card
     assert card.startswith("# run\n\n## Use\n\nload it\n\n")
+
+
+@pytest.mark.parametrize("config", ["rloo.yaml", "online-dpo.yaml", "grpo.yaml"])
+def test_online_methods_are_refused_before_anything_loads(config):
+    """RLOO, online DPO and GRPO sample from each runtime's own random stream: parity says so by name."""
+    from mudpuppy.configure import load_config
+    from mudpuppy.errors import MudpuppyError
+    from mudpuppy.training.parity import check_supported
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / config, check_files=False)
+    with pytest.raises(MudpuppyError, match=f"method {cfg.method}: .*own random stream"):
+        check_supported(cfg)
