@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ..export.conftest import logits as torch_logits
 from .conftest import ALL_FAMILIES, TEXT
 from .cpp import K_QUANTS, READERS, greedy, load, logits
 from .dequantized import dequantized_model
@@ -36,13 +37,6 @@ def torch_greedy(model, ids: list[int], n: int, pad: int) -> list[int]:
         out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad)
     return out[0, len(ids):].tolist()
-
-
-def torch_logits(model, ids: list[int]) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
 
 
 def comparable_steps(reference: np.ndarray, start: int, n: int, spread: float) -> int:
