@@ -4,6 +4,7 @@ measured by dequantizing the GGUF with gguf-py and scoring it through the backen
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import yaml
 
 from ..conftest import QUICKSTART_DATA, build_tiny_model, tiny_run_config
+from ..readers.cpp import READERS
 from .conftest import mudpuppy
 from .test_cli import one_error
 from .test_gguf_families import FAMILIES, build
@@ -78,10 +80,21 @@ def test_quantized_ggufs_score_as_their_precision_says(scored):
     assert types.get("Q4_K") and types.get("Q6_K"), types          # the real K-quant blocks were scored
 
 
+@READERS[0]
+@READERS[1]
+def test_the_report_reads_the_file_through_llama_cpp_too(scored):
+    """Where llama_cpp imports, each file is also scored by llama.cpp's own evaluation: within 1% of mudpuppy's
+    dequantized evaluation (llama.cpp rounds activations in its quantized products; f32 differs by arithmetic)."""
+    for quant, (record, output) in scored.items():
+        measured = record["perplexity"]["quants"][quant]
+        assert abs(math.log(measured["llama_cpp"] / measured["mudpuppy"])) < 0.01, (quant, measured)
+        assert "llama.cpp 0.3." in output
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_dequantized_weights_go_back_where_the_writer_took_them(family, tmp_path):
     """At f32 every value comes back bit for bit under its Hugging Face name (q/k un-permuted, experts
-    unstacked, fused experts refused, Gemma's norms unshifted); a tied head llama.cpp wants apart comes back
+    unstacked, fused experts fused again, Gemma's norms unshifted); a tied head llama.cpp wants apart comes back
     as lm_head."""
     from transformers import AutoTokenizer
 
