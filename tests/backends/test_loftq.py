@@ -1,6 +1,6 @@
 """adapter.init loftq: on mudpuppy's own 4-bit base (torch and MLX), A, B are what PEFT's `_loftq_init_new`
 computes from the same weight and dequantized base (bitsandbytes stood in for by that base), divided by the
-LoRA scale; the start is closer to the full-precision model than plain QLoRA's; a run resumes exactly and
+LoRA scale; on a tiny Llama the start is closer to the full-precision model than plain QLoRA's; a run resumes exactly and
 the adapter merges onto the dequantized base."""
 
 from __future__ import annotations
