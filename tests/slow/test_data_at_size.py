@@ -30,3 +30,21 @@ def test_a_large_jsonl_file_is_prepared_in_bounded_memory(tokenizer_dir, tmp_pat
     assert (small["examples"], large["examples"]) == (10_000, LARGE)
     assert large["peak_mb"] - small["peak_mb"] < TARGET_MB, (small, large)
     assert large["workers_peak_mb"] - small["workers_peak_mb"] < TARGET_MB, (small, large)
+
+
+FIVE_GB = 5e9
+
+
+def test_a_five_gigabyte_jsonl_file_is_prepared_in_bounded_memory(tokenizer_dir, tmp_path):
+    """Issue 38's 5 GB target: the file is streamed, the store written in chunks, every process flat.
+    Long answers (150-500 words, ~1.9 KB a chat) so the file is 5.1 GB with 2.7M chats."""
+    small = preprocess_peak(tmp_path, tokenizer_dir, write_chats(tmp_path / "small.jsonl", 10_000,
+                                                                 answer_words=(150, 500)), 2)
+    count = 2_700_000
+    data = write_chats(tmp_path / "five.jsonl", count, seed=2, answer_words=(150, 500))
+    assert data.stat().st_size > FIVE_GB, data.stat().st_size
+    large = preprocess_peak(tmp_path, tokenizer_dir, data, 2)
+    print(f"5 GB JSONL: 10k chats {small}, {count} chats {large}")        # shown with pytest -s
+    assert (small["examples"], large["examples"]) == (10_000, count)
+    assert large["peak_mb"] - small["peak_mb"] < TARGET_MB, (small, large)
+    assert large["workers_peak_mb"] - small["workers_peak_mb"] < TARGET_MB, (small, large)
