@@ -206,7 +206,7 @@ class Handler(BaseHTTPRequestHandler):
         metrics, _ = runs.read_metrics(folder)
         self._json({"run": self.server.describe(folder),
                     "config": config.read_text(encoding="utf-8", errors="replace") if config.is_file() else "",
-                    "log": _tail(self.server.jobs.log_path(name)), "metrics": metrics,
+                    **_tail(self.server.jobs.log_path(name)), "metrics": metrics,
                     "hardware": self.server.hardware.describe(folder), "samples": samples(folder),
                     "exports": self.server.tasks.of_run(name), "talk": self.server.talk.held()})
 
@@ -273,7 +273,9 @@ class Handler(BaseHTTPRequestHandler):
         name = runs.relative_name(self.server.root, folder)
         log_path = self.server.jobs.log_path(name)
         offset = int(query.get("from", 0) or 0)
-        log_offset = _size(log_path)
+        # Where the page's copy of the log ends (/api/run's log_size), so nothing written in between is lost.
+        log_from = query.get("log_from", "")
+        log_offset = int(log_from) if log_from.isdigit() else _size(log_path)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-store")
@@ -301,12 +303,16 @@ class Handler(BaseHTTPRequestHandler):
                 if extras != shown:
                     shown = extras
                     self._event("extras", extras)
-                grown = _size(log_path)
-                if grown > log_offset:
-                    with log_path.open("rb") as fh:
-                        fh.seek(log_offset)
-                        self._event("log", fh.read(grown - log_offset).decode("utf-8", "replace"))
-                    log_offset = grown
+            # The log on every poll, as the metrics: a line printed before a step ("resumed from ...")
+            # reaches the page no later than that step's point.
+            grown = _size(log_path)
+            if grown < log_offset:             # a log that is not the one the page read: all of it
+                log_offset = 0
+            if grown > log_offset:
+                with log_path.open("rb") as fh:
+                    fh.seek(log_offset)
+                    self._event("log", fh.read(grown - log_offset).decode("utf-8", "replace"))
+                log_offset = grown
             time.sleep(POLL)
 
     def _event(self, kind: str, data) -> None:
@@ -338,10 +344,12 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _tail(path: Path, limit: int = 64 * 1024) -> str:
+def _tail(path: Path, limit: int = 64 * 1024) -> dict:
+    """{"log": the last `limit` bytes of the log, "log_size": the offset where what was read ends}."""
     size = _size(path)
     if not size:
-        return ""
+        return {"log": "", "log_size": 0}
     with path.open("rb") as fh:
         fh.seek(max(0, size - limit))
-        return fh.read().decode("utf-8", "replace")
+        text = fh.read(size - max(0, size - limit))
+    return {"log": text.decode("utf-8", "replace"), "log_size": size}

@@ -142,7 +142,7 @@ def test_start_watch_stop_and_resume_a_run_from_the_page(browser, tmp_path, tiny
         assert resume.is_enabled()
         resume.click()
         wait("points after the resume", lambda: points(browser) >= stopped_at + 2, 180)
-        assert "resumed from" in browser.find_element(By.ID, "log").text
+        wait("the resume's line in the log", lambda: "resumed from" in browser.find_element(By.ID, "log").text, 10)
         browser.find_element(By.ID, "stop").click()
         wait("stopped again", lambda: status(browser) == "stopped", 120)
 

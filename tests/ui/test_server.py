@@ -190,6 +190,21 @@ def test_a_new_metrics_line_reaches_the_page_within_two_seconds(ui, runs_root):
     assert delay < 2.0, f"{delay:.2f} s from the line to the page"
 
 
+def test_log_lines_written_between_the_page_and_its_feed_are_not_lost(ui, runs_root):
+    """The page reads the log's tail (/api/run), then opens the feed from where that copy ends (log_from):
+    a line printed in between ("resumed from ...", as a resume prints it early) still reaches the page."""
+    log = ui.jobs.log_path("group/halted")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("$ mudpuppy run ...\n")
+    status, page, _ = call(ui, "GET", "/api/run?name=group/halted")
+    assert status == 200 and page["log"] == "$ mudpuppy run ...\n" and page["log_size"] == log.stat().st_size
+    with log.open("a") as fh:
+        fh.write("resumed from checkpoints/step-00000002 (step 2 of 4)\n")
+    got = read_events(ui, f"/api/events?name=group/halted&from=0&log_from={page['log_size']}",
+                      lambda kind, data: kind == "log")
+    assert [data for kind, data, _ in got if kind == "log"] == ["resumed from checkpoints/step-00000002 (step 2 of 4)\n"]
+
+
 def test_a_metrics_file_cut_back_by_a_resume_resets_the_curves(ui, runs_root):
     metrics = runs_root / "done" / "metrics.jsonl"
 

@@ -127,7 +127,7 @@ async function showRun(name) {
     } catch (e) { note.textContent = e.message; }
   }
   setStatus(data.run);
-  const source = new EventSource(`/api/events?name=${encodeURIComponent(name)}&from=0`);
+  const source = new EventSource(`/api/events?name=${encodeURIComponent(name)}&from=0&log_from=${data.log_size}`);
   source.addEventListener("metrics", e => { rows = rows.concat(JSON.parse(e.data)); redraw(); });
   source.addEventListener("reset", () => { rows = []; redraw(); });
   source.addEventListener("status", e => setStatus(JSON.parse(e.data)));
