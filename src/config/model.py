@@ -59,6 +59,10 @@ class AdapterConfig(_Strict):
                                "scale * B @ A the rank-r SVD of each weight's 4-bit quantization error W - Q, the "
                                "4-bit base unchanged; PEFT's replace_lora_weights_loftq); pissa and olora "
                                "save as a plain LoRA of rank 2r on the original base")
+    loftq_iter: int = Field(
+        1, description="init loftq: LoftQ's alternating iterations (PEFT's LoftQConfig.loftq_iter): each after the "
+                       "first quantizes W minus the previous rank-r correction again, so above 1 the 4-bit base "
+                       "itself changes; 1 keeps the base as quantized")
     eva_rho: float | None = Field(
         None, ge=1.0, description="init eva: EVA's rank redistribution (PEFT's EvaConfig.rho, default 2): a layer "
                                   "may take up to r * rho ranks, by explained variance, within the budget of r a "
@@ -72,6 +76,13 @@ class AdapterConfig(_Strict):
             raise ValueError("quant_group_size must be even (two 4-bit values share a byte)")
         return self
 
+    @field_validator("loftq_iter", mode="before")
+    @classmethod
+    def _whole_iterations(cls, v):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"loftq_iter is LoftQ's number of alternating iterations, an integer >= 1 (got {v!r})")
+        return v
+
     @field_validator("init")
     @classmethod
     def _known_init(cls, v):
@@ -82,6 +93,9 @@ class AdapterConfig(_Strict):
 
     @model_validator(mode="after")
     def _init_fits_type(self):
+        if "loftq_iter" in self.model_fields_set and self.loftq_iter != 1 and self.init != "loftq":
+            raise ValueError(f"loftq_iter is LoftQ's number of iterations and applies to init loftq (this adapter "
+                             f"has init {self.init}); remove it or set init: loftq")
         if self.eva_rho is not None and self.init != "eva":
             raise ValueError(f"eva_rho is EVA's rank redistribution and applies to init eva (this adapter has "
                              f"init {self.init}); remove it or set init: eva")

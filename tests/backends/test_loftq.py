@@ -1,6 +1,7 @@
 """adapter.init loftq: on mudpuppy's own 4-bit base (torch and MLX), A, B are what PEFT's `_loftq_init_new`
 computes from the same weight and dequantized base (bitsandbytes stood in for by that base), divided by the
-LoRA scale; on a tiny Llama the start is closer to the full-precision model than plain QLoRA's; a run resumes exactly and
+LoRA scale; with adapter.loftq_iter, A, B and the changed 4-bit base are PEFT's `loftq_init` with
+bitsandbytes' quantizer stood in for by the runtime's; on a tiny Llama the start is closer to the full-precision model than plain QLoRA's; a run resumes exactly and
 the adapter merges onto the dequantized base."""
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ def checkpoint(model_dir) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}
 
 
-def torch_qlora(model_dir, init, rslora=False):
+def torch_qlora(model_dir, init, rslora=False, **extra):
     backend = create_backend("cpu")
-    cfg = AdapterConfig(type="qlora", r=R, alpha=ALPHA, init=init, rslora=rslora)
+    cfg = AdapterConfig(type="qlora", r=R, alpha=ALPHA, init=init, rslora=rslora, **extra)
     handle = backend.load_model(ModelConfig(base_model=str(model_dir)), "fp32", adapter=cfg)
     backend.attach_adapter(handle, cfg)
     return backend, handle
@@ -99,6 +100,71 @@ def test_at_scale_one_the_factors_are_peft_s_exactly(monkeypatch):
         np.testing.assert_allclose(mine, peft, atol=1e-5)
 
 
+def peft_loftq_init(monkeypatch, weight: np.ndarray, roundtrip, r: int, iters: int):
+    """PEFT 0.21's own `loftq_init` (base, A, B) for num_iter=iters, bitsandbytes' NF4 stood in for by
+    `roundtrip` (x -> dequantize(quantize(x)) in the runtime's own 4-bit format)."""
+    from peft.utils import loftq_utils
+
+    class Params4bit:
+        def __init__(self, data, **_):
+            self.data, self.quant_state = torch.from_numpy(roundtrip(data.numpy())), None
+
+        def to(self, *_):
+            return self
+
+    fake = types.ModuleType("bitsandbytes")
+    fake.nn = types.SimpleNamespace(Params4bit=Params4bit)
+    fake.functional = types.SimpleNamespace(dequantize_4bit=lambda data, state: data)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", fake)
+    for name in ("is_bnb_available", "is_bnb_4bit_available"):
+        monkeypatch.setattr(loftq_utils, name, lambda: True)
+    monkeypatch.setattr(loftq_utils, "is_xpu_available", lambda: False)
+    monkeypatch.setattr(loftq_utils, "clear_device_cache", lambda: None)
+    base, a, b = loftq_utils.loftq_init(torch.from_numpy(weight).as_subclass(OnCpu), num_bits=4, reduced_rank=r,
+                                        num_iter=iters)
+    return base.as_subclass(torch.Tensor).numpy(), a.numpy(), b.numpy()
+
+
+def torch_roundtrip(x: np.ndarray) -> np.ndarray:
+    from mudpuppy.backends.torch.quantization.formats import dequantize_weight, quantize_weight
+
+    t = torch.from_numpy(np.ascontiguousarray(x, np.float32))
+    return dequantize_weight(quantize_weight(t, "int4", 64), "int4", t.shape[1], torch.float32).numpy()
+
+
+@pytest.mark.parametrize("iters", [1, 2, 3])
+def test_torch_iterations_are_peft_s_loftq_init(wide_model_dir, monkeypatch, iters):
+    _, handle = torch_qlora(wide_model_dir, "loftq", loftq_iter=iters)
+    weights, scale = checkpoint(wide_model_dir), ALPHA / R
+    layers = torch_layers(handle)
+    assert len(layers) == 14
+    moved = 0
+    for name, layer in layers.items():
+        weight = weights[f"{name}.weight"]
+        base = layer.get_base_layer().dequantize(torch.float32).numpy()
+        peft_base, a, b = peft_loftq_init(monkeypatch, weight, torch_roundtrip, R, iters)
+        np.testing.assert_allclose(base, peft_base, atol=1e-5, err_msg=name)
+        moved += not np.array_equal(base, torch_roundtrip(weight))
+        a, b = canonical_signs(a / np.sqrt(scale), b / np.sqrt(scale))
+        np.testing.assert_allclose(layer.lora_A["default"].weight.detach().numpy(), a, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(layer.lora_B["default"].weight.detach().numpy(), b, atol=1e-5, err_msg=name)
+    # One iteration keeps the base as loaded; more requantize W minus the low-rank part, a new base.
+    assert moved == (0 if iters == 1 else len(layers))
+
+
+def test_loftq_iter_is_checked(tiny_config):
+    assert AdapterConfig(type="qlora", init="loftq").loftq_iter == 1
+    for bad in (0, -1, 1.5, "two", True):
+        with pytest.raises(ValidationError, match="loftq_iter"):
+            AdapterConfig(type="qlora", init="loftq", loftq_iter=bad)
+    with pytest.raises(ValidationError, match="applies to init loftq"):
+        AdapterConfig(type="qlora", loftq_iter=2)
+    tiny_config["adapter"].update(type="lora", init="pissa", loftq_iter=3)
+    with pytest.raises(Exception, match=r"adapter[\s\S]*loftq_iter is LoftQ's number of iterations") as info:
+        load_config(tiny_config)
+    assert "init pissa" in str(info.value)
+
+
 def error_norms(weight, dequantized, delta) -> tuple[float, float]:
     return float(np.linalg.norm(weight - dequantized)), float(np.linalg.norm(weight - dequantized - delta))
 
@@ -137,10 +203,11 @@ def test_loftq_needs_qlora(tiny_config, kind):
         AdapterConfig(type="qlora", init="loftq", init_from="somewhere")
 
 
-def test_a_loftq_run_resumes_bit_for_bit(tiny_config, tmp_path):
+@pytest.mark.parametrize("iters", [1, 2])
+def test_a_loftq_run_resumes_bit_for_bit(tiny_config, tmp_path, iters):
     from .test_loraplus import adapters, loraplus_config, straight_and_resumed
 
-    cfg = loraplus_config(tiny_config, tmp_path, type="qlora", init="loftq")
+    cfg = loraplus_config(tiny_config, tmp_path, type="qlora", init="loftq", loftq_iter=iters)
     del cfg["training"]["loraplus_lr_ratio"]
     straight, resumed = straight_and_resumed(cfg, "cpu", "cpu", tmp_path)
     assert (resumed.resumed_from, resumed.losses) == (3, straight.losses)
@@ -204,6 +271,35 @@ def test_mlx_corrects_its_own_quantizer_s_error(wide_model_dir):
     plain = backend.load_model(ModelConfig(base_model=str(wide_model_dir)), "fp32", adapter=plain_cfg)
     backend.attach_adapter(plain, plain_cfg)
     assert loftq < np.abs(backend.logits(plain, batch) - expected)[mask].mean()
+
+
+@pytest.mark.mlx
+def test_mlx_iterations_are_peft_s_loftq_init_on_mlx_s_quantizer(wide_model_dir, monkeypatch):
+    mx = pytest.importorskip("mlx.core")
+    from mudpuppy.backends.mlx.layers import adapter_layers, base_weight
+
+    weights = checkpoint(wide_model_dir)
+    backend = create_backend("mlx")
+    cfg = AdapterConfig(type="qlora", r=R, alpha=ALPHA, init="loftq", loftq_iter=2)
+    handle = backend.load_model(ModelConfig(base_model=str(wide_model_dir)), "fp32", adapter=cfg)
+    backend.attach_adapter(handle, cfg)
+    layers = adapter_layers(handle.model)
+    assert len(layers) == 14
+    for path, layer in layers.items():
+        q = layer.linear
+
+        def roundtrip(x, q=q):
+            packed = mx.quantize(mx.array(x), group_size=q.group_size, bits=q.bits, mode=q.mode)
+            return np.array(mx.dequantize(*packed, group_size=q.group_size, bits=q.bits, mode=q.mode))
+
+        weight = weights[f"{path}.weight"]
+        peft_base, a, b = peft_loftq_init(monkeypatch, weight, roundtrip, R, 2)
+        base = np.array(base_weight(q).astype(mx.float32))
+        np.testing.assert_allclose(base, peft_base, atol=1e-5, err_msg=path)
+        assert not np.array_equal(base, roundtrip(weight)), path
+        a, b = canonical_signs(a / np.sqrt(ALPHA / R), b / np.sqrt(ALPHA / R))
+        np.testing.assert_allclose(np.array(layer.lora_a.T), a, atol=1e-5, err_msg=path)
+        np.testing.assert_allclose(np.array(layer.lora_b.T), b, atol=1e-5, err_msg=path)
 
 
 def test_parity_s_second_side_starts_from_the_first_side_s_factors(wide_model_dir, tmp_path):

@@ -1,5 +1,5 @@
 """LoRA initialisations that move part of each base weight into the adapter (PiSSA, OLoRA), and LoftQ's
-start on a 4-bit base (`loftq_factors`), in numpy.
+start on a 4-bit base (`loftq_factors`, alternating: `loftq_iterated`), in numpy.
 
 PEFT computes them on torch (`LoraLayer.pissa_init`, `olora_init`); the MLX backend computes the same
 factors here from the same base weights, so both runtimes start from the same A, B and residual base
@@ -73,6 +73,20 @@ def loftq_factors(weight: np.ndarray, dequantized: np.ndarray, r: int, scale: fl
     error = np.asarray(weight, dtype=np.float32) - np.asarray(dequantized, dtype=np.float32)
     a, b = split_singular(np.linalg.svd(error, full_matrices=False), r, scale)
     return canonical_signs(np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32))
+
+
+def loftq_iterated(weight: np.ndarray, dequantized: np.ndarray, requantize, r: int, scale: float,
+                   iters: int) -> tuple[np.ndarray, ...]:
+    """LoftQ's alternating start (PEFT's `loftq_init`, `num_iter` = iters): the loaded base `dequantized`
+    is Q(W); each further iteration quantizes again W minus the rank-r SVD of the last error
+    (`requantize(x)` sets the runtime's 4-bit base to Q(x) and returns its dequantized value), and A, B
+    are `loftq_factors` of the last base. One iteration is `loftq_factors` itself, the base unchanged."""
+    weight = np.asarray(weight, dtype=np.float32)
+    dequantized = np.asarray(dequantized, dtype=np.float32)
+    for _ in range(iters - 1):
+        u, s, vh = np.linalg.svd(weight - dequantized, full_matrices=False)
+        dequantized = np.asarray(requantize(weight - (u[:, :r] * s[:r]) @ vh[:r]), dtype=np.float32)
+    return loftq_factors(weight, dequantized, r, scale)
 
 
 def randomized_svd(w: np.ndarray, q: int, niter: int, rng: np.random.Generator):

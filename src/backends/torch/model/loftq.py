@@ -2,7 +2,9 @@
 layer's A, B set from the SVD of its quantization error (adapters/init.py `loftq_factors`, PEFT's
 `replace_lora_weights_loftq` without bitsandbytes). The full-precision weights are read again from the
 checkpoint, one tensor at a time, as PEFT's reads them from the model's safetensors: the 4-bit base was
-built while loading and keeps no float copy."""
+built while loading and keeps no float copy. With adapter.loftq_iter > 1 (PEFT's `loftq_init`), each
+layer's 4-bit codes are rewritten in place by the iterations (adapters/init.py `loftq_iterated`): the
+same computation again on resume gives the same base, before the trained A, B are loaded."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from pathlib import Path
 import torch
 
 from ....errors import MudpuppyError
-from ...adapters.init import loftq_factors
+from ...adapters.init import loftq_iterated
+from ..quantization.formats import quantize_weight
 from ...protocol import AdapterInfo
 from ..handle import unwrap
 from ..quantization.linear4bit import Linear4bit
@@ -22,8 +25,10 @@ from .loading import checkpoint_files, read_entry, read_header
 def attach_loftq(backend, handle, adapter_cfg) -> AdapterInfo:
     """The QLoRA adapter attach_adapter gives, its A, B replaced by LoftQ's; what attach_adapter returns."""
     info = attach_adapter(backend, handle, adapter_cfg.model_copy(update={"init": "default"}))
-    if not adapter_cfg.init_from:      # `mudpuppy parity`'s second side starts from the first side's A, B
-        set_loftq_factors(handle, Path(handle.source))
+    # `mudpuppy parity`'s second side starts from the first side's A, B (init_from): only the base that
+    # more than one iteration leaves is rebuilt under them.
+    if not adapter_cfg.init_from or adapter_cfg.loftq_iter > 1:
+        set_loftq_factors(handle, Path(handle.source), adapter_cfg, keep_factors=bool(adapter_cfg.init_from))
     return info
 
 
@@ -41,7 +46,17 @@ def quantized_lora_layers(model) -> dict[str, object]:
     return layers
 
 
-def set_loftq_factors(handle, source: Path) -> None:
+def requantizer(base: Linear4bit, group_size: int | None):
+    """x -> dequantize(quantize(x)) in `base`'s format, its codes overwritten in place by Q(x)."""
+    def requantize(x):
+        tensors = quantize_weight(torch.from_numpy(x), base.quant_backend, group_size)
+        for name, stored in base.quantized_tensors().items():
+            stored.copy_(tensors[name].to(stored.device, stored.dtype))
+        return base.dequantize(torch.float32).cpu().numpy()
+    return requantize
+
+
+def set_loftq_factors(handle, source: Path, adapter_cfg, keep_factors: bool = False) -> None:
     files = checkpoint_files(source)
     if files is None:
         raise MudpuppyError(f"adapter.init loftq reads each weight at full precision from the checkpoint's "
@@ -58,6 +73,10 @@ def set_loftq_factors(handle, source: Path) -> None:
         for name, layer in layers.items():
             weight = read_entry(entries[f"{name}.weight"]).to(torch.float32)
             dequantized = layer.get_base_layer().dequantize(torch.float32).cpu()
-            a, b = loftq_factors(weight.numpy(), dequantized.numpy(), layer.r["default"], layer.scaling["default"])
+            a, b = loftq_iterated(weight.numpy(), dequantized.numpy(),
+                                  requantizer(layer.get_base_layer(), adapter_cfg.quant_group_size),
+                                  layer.r["default"], layer.scaling["default"], adapter_cfg.loftq_iter)
+            if keep_factors:
+                continue
             for param, value in ((layer.lora_A["default"].weight, a), (layer.lora_B["default"].weight, b)):
                 param.copy_(torch.from_numpy(value).to(param.device, param.dtype))
