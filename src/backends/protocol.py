@@ -405,7 +405,8 @@ class BackendProtocol(Protocol):
 
     def input_squares(self, handle: ModelHandle, sequences: list[list[int]]) -> dict[str, tuple["np.ndarray", int]]:
         """What llama-imatrix collects: for every linear layer (by module name), the float64 sum over all
-        token rows of each input column's square, and the rows seen; each sequence runs alone, unpadded."""
+        token rows of each input column's square, and the rows seen; no padded position counts, and each
+        sequence's rows are what they are when it runs alone."""
 
     def memory_peaks(self) -> dict[str, int] | None:
         """The device's peak memory in bytes since the previous call ("allocated": what tensors held;

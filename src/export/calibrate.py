@@ -36,9 +36,10 @@ def calibration_chunks(train, chunk: int = CHUNK, tokens: int = TOKENS) -> list[
     return [flat[i:i + chunk].tolist() for i in range(0, len(flat), chunk)]
 
 
-def collect_from_run(src, tokenizer, model_dir: Path, backend, out: Path, echo) -> dict[str, np.ndarray]:
+def collect_from_run(src, tokenizer, model_dir: Path, backend, out: Path, echo, handle=None) -> dict[str, np.ndarray]:
     """`quant_weights` for write_gguf, collected with `backend` from the run's (`src`, a run source) data
-    over `model_dir` (the merged plain model); the matrix itself is written to `out`."""
+    over `model_dir` (the merged plain model; `handle`, the backend's float32 handle on it where the merge
+    left one loaded); the matrix itself is written to `out`."""
     import json
 
     from ..data import prepare_data
@@ -50,9 +51,10 @@ def collect_from_run(src, tokenizer, model_dir: Path, backend, out: Path, echo) 
         raise MudpuppyError(f"--imatrix auto: the run's training data ({src.given}/config.yaml) has no tokens")
     echo(f"importance matrix: {sum(map(len, chunks)):,} tokens of the run's training data in {len(chunks)} "
          f"chunks of up to {CHUNK}")
-    model_cfg = cfg.model.model_copy(update={"base_model": str(model_dir), "tokenizer": str(model_dir),
-                                             "revision": None})
-    handle = backend.load_model(model_cfg, "fp32")
+    if handle is None:
+        model_cfg = cfg.model.model_copy(update={"base_model": str(model_dir), "tokenizer": str(model_dir),
+                                                 "revision": None})
+        handle = backend.load_model(model_cfg, "fp32")
     sums = backend.input_squares(handle, chunks)
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     stats = stats_for_model(sums, config, str(model_dir))

@@ -195,15 +195,17 @@ def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, s
         converted = mlx_format.convert_to_mlx(merged, work / "mlx", dtype, quant)   # mlx-lm makes its folder
         move_into(work / "mlx", staging)
         return {"mlx": converted}
-    model_dir = src.plain_dir()
+    model_dir, merged = src.plain_dir(), None
+    backend = create_backend(backend_name)
     if model_dir is None:
         echo("merging into float32 for the GGUF writer")
-        model_dir = src.merge_into(create_backend(backend_name), work / "merged", "float32")
+        model_dir = work / "merged"
+        merged = src.merge_loaded(backend, model_dir, "float32")
     if imatrix == AUTO:
         from .calibrate import collect_from_run
 
-        imatrix = collect_from_run(src, tokenizer, model_dir, create_backend(backend_name), staging / IMATRIX_FILE,
-                                   echo)
+        imatrix = collect_from_run(src, tokenizer, model_dir, backend, staging / IMATRIX_FILE, echo, merged)
+    del merged          # the writer reads the saved files tensor by tensor: the loaded model is not kept
     name = f"model-{quant}.gguf"
     echo(f"writing {name}")
     base = src.base or {}
@@ -216,7 +218,7 @@ def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, s
         echo(f"note: {note}")
     if heldout is not None:
         record["perplexity"] = measure_gguf(staging / name, quant, model_dir, heldout, src.cfg.model,
-                                            create_backend(backend_name), src.cfg.eval.batch_size, work, echo)
+                                            backend, src.cfg.eval.batch_size, work, echo)
     if fmt == "ollama":
         from .ollama import modelfile, sampling_parameters, stop_words
 

@@ -132,13 +132,19 @@ class ExportSource:
     def merge_into(self, backend, path: Path, dtype: str) -> Path:
         """The model with its adapter folded in, saved as plain safetensors at `dtype` (float32,
         bfloat16, float16) with the training tokenizer and chat template."""
+        self.merge_loaded(backend, path, dtype)
+        return path
+
+    def merge_loaded(self, backend, path: Path, dtype: str):
+        """merge_into, returning the backend's handle on the merged model (at `dtype`), for work on the
+        model that would otherwise load it again from `path`."""
         from ..data.templates import apply_chat_template_choice
 
         handle = self.column.load(backend, "fp32")
         apply_chat_template_choice(handle.tokenizer, self.cfg.data.chat_template)
         backend.merge_and_save(handle, str(path), dtype)
         patch_config_for_runtimes(path)
-        return path
+        return handle
 
 
 def patch_config_for_runtimes(model_dir: Path) -> None:

@@ -106,6 +106,19 @@ def test_collected_from_a_tiny_model(tiny_model_dir):
     np.testing.assert_allclose(got["lm_head"][0], expect_head, rtol=1e-6)
     assert got["model.layers.1.mlp.down_proj"][0].shape == (model.config.intermediate_size,)
     assert collect_input_squares(model, sequences, max_tokens=6)["lm_head"][1] == 6
+    # Equal-length sequences run as one batch, the head's logits are skipped: the sums are those of each
+    # sequence alone (the loop above), with a batch split by the token budget and a shorter one apart.
+    same = [[1, 5, 9, 13], [7, 3, 3, 8], [2, 4, 6, 8], [9, 9]]
+    alone = {}
+    for ids in same:
+        for name, (total, n) in collect_input_squares(model, [ids], batch_tokens=1).items():
+            prev = alone.get(name, (0.0, 0))
+            alone[name] = (prev[0] + total, prev[1] + n)
+    batched = collect_input_squares(model, same, batch_tokens=8)
+    assert batched.keys() == alone.keys() and batched["lm_head"][1] == 14
+    for name, (total, n) in batched.items():
+        assert n == alone[name][1]
+        np.testing.assert_allclose(total, alone[name][0], rtol=1e-6)
 
     entries = gguf_entries(got, "LLAMA", model.config.num_hidden_layers, head_is_token_embd=True)
     assert {"blk.0.attn_q.weight", "blk.1.ffn_down.weight", "token_embd.weight"} <= set(entries)
