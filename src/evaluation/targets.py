@@ -81,7 +81,7 @@ class Column:
         if qlora:
             backend.quantize_base(handle, self.cfg.adapter)
         if self.has_adapter:
-            load_adapter_any_layout(backend, handle, self.adapter_dir)
+            load_trained_adapter(backend, handle, self.cfg.adapter, self.adapter_dir)
         return handle
 
     def base(self) -> Column | None:
@@ -97,6 +97,16 @@ class Column:
         column (measured with the first one's tokenizer and data settings)."""
         quant = self.cfg.adapter.model_dump() if self.cfg.adapter.type == "qlora" else None
         return self.base_name, self.cfg.data.chat_template, json.dumps(quant, sort_keys=True)
+
+
+def load_trained_adapter(backend, handle, adapter_cfg, path: Path) -> None:
+    """The adapter a run with `adapter_cfg` saved at `path`, on `handle` (its base loaded as training
+    loaded it). After adapter.loftq_iter > 1 that base is not the checkpoint quantized again: LoftQ's
+    iterations changed it, so they run again (as on resume) under the saved A, B (init_from)."""
+    if adapter_cfg.type == "qlora" and adapter_cfg.init == "loftq" and adapter_cfg.loftq_iter > 1:
+        backend.attach_adapter(handle, adapter_cfg.model_copy(update={"init_from": str(path)}))
+        return
+    load_adapter_any_layout(backend, handle, path)
 
 
 def load_adapter_any_layout(backend, handle, path: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import MudpuppyError
+from ..evaluation.targets import load_trained_adapter
 from ..export.pipeline import describe
 from ..export.source import resolve_source
 from ..output_dir import EXPORT, rundir, writing
@@ -38,7 +39,7 @@ def merge_run(cfg, backend, adapter_dir: str | None = None, out_dir: str | None 
         handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter if qlora else None)
         if qlora:
             backend.quantize_base(handle, cfg.adapter)
-        backend.load_adapter(handle, str(adapter))
+        load_trained_adapter(backend, handle, cfg.adapter, adapter)
         backend.merge_and_save(handle, str(written.dir), dtype or cfg.merge_dtype)
         describe_merge(written.dir, out, adapter, dtype or cfg.merge_dtype)
     return out
