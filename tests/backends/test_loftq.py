@@ -266,6 +266,32 @@ def test_mudpuppy_merge_rebuilds_the_base_loftq_iterations_left(wide_model_dir, 
 
 
 @pytest.mark.mlx
+def test_mlx_merge_rebuilds_the_base_loftq_iterations_left(wide_model_dir, tiny_config, tmp_path):
+    mx = pytest.importorskip("mlx.core")
+    from safetensors.numpy import load_file
+
+    from mudpuppy.backends.mlx.layers import adapter_layers, base_weight
+    from mudpuppy.training.merge import merge_run
+
+    tiny_config["model"]["base_model"] = str(wide_model_dir)
+    tiny_config["adapter"].update(type="qlora", r=R, alpha=ALPHA, init="loftq", loftq_iter=2)
+    cfg = load_config(tiny_config)
+    backend = create_backend("mlx")
+    handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter)
+    backend.attach_adapter(handle, cfg.adapter)
+    expected = {}
+    for path, layer in adapter_layers(handle.model).items():
+        layer.lora_b = layer.lora_b + 0.05 * mx.random.normal(layer.lora_b.shape)   # a trained adapter
+        expected[f"{path}.weight"] = np.array(base_weight(layer.linear).astype(mx.float32)) + np.array(
+            layer.scale * (layer.lora_a @ layer.lora_b).T)
+    backend.save_adapter(handle, str(tmp_path / "adapter"))
+    merged = merge_run(cfg, create_backend("mlx"), str(tmp_path / "adapter"), str(tmp_path / "merged"), "float32")
+    state = load_file(str(merged / "model.safetensors"))
+    for key, weight in expected.items():
+        np.testing.assert_allclose(state[key], weight, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.mlx
 def test_mlx_corrects_its_own_quantizer_s_error(wide_model_dir):
     mx = pytest.importorskip("mlx.core")
     from mudpuppy.backends.mlx.layers import adapter_layers, base_weight
