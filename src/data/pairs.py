@@ -13,17 +13,26 @@ Roles per item:
     reward {text, label}               [text]
     prm                                [text], with one class label per step token
 
+Pairs from a token store (store.py, kind "pair") stay there: `pair_items` of a
+StoreView is an `ItemView`, a sequence of Items built from the maps on access,
+and `drop_screened` and `with_reference` work on index and reference arrays.
+
 Bad pairs are found here too, on the records, before any model loads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .batch import IGNORE_INDEX, Batch, collate
 from .examples import Example, LabeledExample, PairExample, StepExample
+from .prepared import LoadedDataset
+from .stream import RawLines
+from .store import StoreView
+from .workers import ordered_map
 
 
 @dataclass
@@ -52,8 +61,32 @@ class ItemBatch:
 
 # --------------------------------------------------------------------------- items
 
-def pair_items(pairs: list[PairExample]) -> list[Item]:
+def pair_items(pairs: list[PairExample] | StoreView) -> list[Item] | ItemView:
+    if isinstance(pairs, StoreView):
+        return ItemView(pairs)
     return [Item((p.chosen, p.rejected), source=p.source) for p in pairs]
+
+
+class ItemView(Sequence):
+    """The Items of a pair store's view, made on access; `ref` holds the reference log-probs
+    ([len(view), roles], float32) once they are computed."""
+
+    def __init__(self, view: StoreView, ref: np.ndarray | None = None):
+        self.view, self.ref = view, ref
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return ItemView(self.view[i], None if self.ref is None else self.ref[i])
+        pair = self.view[i]
+        return Item((pair.chosen, pair.rejected), ref_logps=None if self.ref is None else self.ref[i],
+                    source=pair.source)
+
+    @property
+    def lengths(self) -> np.ndarray:       # what the Batcher plans with: one array, no Item built
+        return self.view.lengths
 
 
 def scored_items(examples: list[LabeledExample]) -> list[Item]:
@@ -90,6 +123,8 @@ def split_completion(ex: Example) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def with_reference(items: list[Item], ref_logps: np.ndarray) -> list[Item]:
     """Items carrying precomputed reference log-probs ([len(items), roles])."""
+    if isinstance(items, ItemView):
+        return ItemView(items.view, np.asarray(ref_logps, dtype=np.float32))
     return [Item(it.sequences, it.label, np.asarray(ref, dtype=np.float32), it.source)
             for it, ref in zip(items, ref_logps)]
 
@@ -138,6 +173,7 @@ class Screening:
     """Records that would teach nothing (or nonsense), found before tokenizing."""
 
     bad: dict[str, str] = field(default_factory=dict)    # source -> reason
+    where: list[tuple[str, int]] = field(default_factory=list)   # (dataset name, line or row) of each
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -150,15 +186,36 @@ IDENTICAL = "chosen and rejected are identical"
 EMPTY = "empty completion"
 
 
-def screen_records(datasets) -> Screening:
-    """Identical pairs and empty completions in preference and KTO datasets (others pass)."""
+def screen_records(datasets: list[LoadedDataset], workers: int = 1) -> Screening:
+    """Identical pairs and empty completions in preference and KTO datasets (others pass). A streamed file
+    is read again, chunk by chunk, its raw lines parsed and screened in `workers` processes."""
     found = Screening()
     for ds in datasets:
-        for rec in ds.records:
-            reason = bad_record_reason(ds.format, rec.data)
-            if reason:
-                found.bad[record_source(ds.name, rec)] = reason
+        if ds.stream is None:
+            bad = screen_chunk(None, (ds.name, ds.format, ds.records))
+        else:
+            jobs = ((ds.name, ds.format, chunk) for chunk in ds.jobs(SCREEN_CHUNK))
+            procs = workers if ds.record_count() > SCREEN_CHUNK else 1
+            bad = [b for found_here in ordered_map(screen_chunk, jobs, None, procs) for b in found_here]
+        for source, reason, at in bad:
+            found.bad[source] = reason
+            found.where.append((ds.name, at))
     return found
+
+
+SCREEN_CHUNK = 2048      # records per screening job
+
+
+def screen_chunk(_, job: tuple) -> list[tuple[str, str, int]]:
+    """(source, reason, line or row) of each bad record of one chunk (in a worker, where streamed)."""
+    name, fmt, chunk = job
+    records = chunk.records() if isinstance(chunk, RawLines) else chunk
+    out = []
+    for rec in records:
+        reason = bad_record_reason(fmt, rec.data)
+        if reason:
+            out.append((record_source(name, rec), reason, rec.line if rec.line is not None else rec.row))
+    return out
 
 
 def bad_record_reason(fmt: str, data: dict) -> str | None:
@@ -183,5 +240,22 @@ def record_source(name: str, rec) -> str:
     return f"{name}:{rec.line}" if rec.line is not None else f"{name} row {rec.row}"
 
 
-def drop_screened(examples: list, screening: Screening) -> list:
+def drop_screened(examples: list | StoreView, screening: Screening) -> list | StoreView:
+    if isinstance(examples, StoreView):
+        return drop_from_view(examples, screening.where)
     return [ex for ex in examples if ex.source not in screening.bad]
+
+
+def drop_from_view(view: StoreView, where: list[tuple[str, int]]) -> StoreView:
+    """The view without the examples at `where` ((dataset name, line or row)): on the index arrays."""
+    if not where:
+        return view
+    store = view.store
+    origin = np.asarray(store.arrays["dataset"])[view.index]
+    lines = np.asarray(store.arrays["lines"])[view.index]
+    bad = np.zeros(len(view), dtype=bool)
+    for d, name in enumerate(store.names):
+        at = [line for n, line in where if n == name]
+        if at:
+            bad |= (origin == d) & np.isin(lines, at)
+    return StoreView(store, view.index[~bad])

@@ -6,8 +6,9 @@
 
 The tokens and masks are those `prepare.tokenize_all` makes (a test compares
 them on every format and template in the test data); only where they live
-changes. Other methods (pairs, labels, prompts) and vision-language data keep
-`tokenize_all`'s lists.
+changes. Preference pairs (dpo, ipo, simpo, orpo, and rm on pairs) go to a store
+of kind "pair" the same way (`stored`); other methods (labels, steps, prompts)
+and vision-language data keep `tokenize_all`'s lists.
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ from .workers import available_cores, ordered_map
 BUILT = [0]
 SCRATCH = r"store-.*"   # an uncached store's folder under <cache_dir>/.scratch
 CHUNK = 512    # records per job: the tokenizer's batch size, and small enough to keep a worker's memory flat
+STREAMED = ("sft", "dpo", "ipo", "simpo", "orpo")   # methods whose files are scanned at load, then read again
+
+
+def stored(method: str, loaded: LoadedData) -> bool:
+    """Whether `method`'s data goes to a token store: SFT data, and preference pairs (any method on them)."""
+    return method == "sft" or store_kind(loaded) == "pair"
+
+
+def store_kind(loaded: LoadedData) -> str:
+    return "pair" if {ds.format for ds in loaded.train + loaded.val} == {"preference"} else "example"
 
 
 def num_workers(cfg) -> int:
@@ -92,7 +103,7 @@ def write_dataset(writer: StoreWriter, ds: LoadedDataset, tokenizer, has_templat
 def build_store(cfg, tokenizer, loaded: LoadedData, has_template: bool, folder: Path) -> tuple[dict, DataReport]:
     """Tokenize every dataset (training ones first) into a store at `folder`; (store meta, report)."""
     report = DataReport()
-    writer = StoreWriter(folder)
+    writer = StoreWriter(folder, store_kind(loaded))
     hold_out = bool(cfg.data.val_set_size) and not loaded.val
     workers = num_workers(cfg)
     try:
@@ -186,7 +197,7 @@ def open_prepared(store: TokenStore, train: np.ndarray, val: np.ndarray, report:
     train_view, val_view = store.view(train), store.view(val)
     report.train_examples, report.val_examples = len(train_view), len(val_view)
     report.loss_token_share = train_view.target_tokens() / max(train_view.total_tokens(), 1)
-    report.mix = realised_mix(train_view, specs)
+    report.mix = realised_mix(train_view, specs) if store.kind == "example" else []   # as tokenize_all: SFT
     return PreparedData(train_view, val_view, val_view.records(), report)
 
 

@@ -31,7 +31,7 @@ from .tokenizers import load_text_tokenizer
 from .vision import is_vision_model, is_vision_tokenizer, load_vision_tokenizer, vision_problems
 from .images import resolve_images
 from ..distributed import Ranks
-from .pipeline import mix_indices, prepare_store
+from .pipeline import STREAMED, mix_indices, prepare_store, stored
 from .shared import prepare_shared
 from .stream import reread, scan, streamable
 
@@ -86,7 +86,7 @@ def load_data(cfg, method: str | None = None) -> LoadedData:
     """Every dataset read and validated, and its format checked against the method."""
     method = method or cfg.data_method()
     images = is_vision_model(cfg.model)
-    stream = method == "sft"
+    stream = method in STREAMED
     loaded = LoadedData([load_dataset(cfg, s, images, stream) for s in cfg.data.datasets],
                         [load_dataset(cfg, s, images, stream) for s in cfg.data.val_datasets])
     for ds in loaded.train + loaded.val:
@@ -159,7 +159,7 @@ def prepare_data(cfg, tokenizer, loaded: LoadedData | None = None, *, method: st
     key = cache.cache_key(cfg, method or cfg.data_method(), loaded.fingerprints(), tokenizer) if use_cache else None
     root = cache.cache_root(cfg)
     warnings = template_warnings(tokenizer, cfg.data.chat_template)
-    if (method or cfg.data_method()) == "sft" and not is_vision_tokenizer(tokenizer):
+    if stored(method or cfg.data_method(), loaded) and not is_vision_tokenizer(tokenizer):
         # SFT examples go to a memory-mapped token store (pipeline.py): flat memory at any data size; in a
         # distributed run one rank per machine reads or writes it and every rank maps it (shared.py).
         def here():

@@ -6,15 +6,19 @@ set in memory:
 
     tokens.bin    int32  every example's token ids, end to end
     mask.bin      bool   their loss masks, the same length
-    lengths.bin   int32  one length per example; offsets are their running sum
-    targets.bin   int32  loss-carrying tokens per example (token 0 never is one), for the report
+    lengths.bin   int32  one length per sequence; offsets are their running sum
+    targets.bin   int32  loss-carrying tokens per sequence (token 0 never is one), for the report
     lines.bin     int64  each example's line in its file (or row, for files without lines)
     dataset.bin   int32  which dataset each example came from (an index into `names`)
     records.bin   JSON   the record behind an example, as evaluation reads it, for examples that may be
     records.idx   int64  held out: its start in records.bin (-1 where none was kept) and its length
     records_len.bin
 
-A `StoreView` is a sequence of Examples picked by an index array: the
+An example is one sequence (kind "example": SFT) or several in a fixed role
+order (kind "pair": a preference pair, chosen then rejected, stored one after
+the other); lengths and targets are per sequence, the other arrays per example.
+
+A `StoreView` is a sequence of Examples (or PairExamples) picked by an index array: the
 training set, the held-out set, a weighted mix. Building one example costs
 two slices of the maps, whatever the store's size; everything a batcher
 plans with (lengths) is one small array per view.
@@ -29,11 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .examples import Example
+from .examples import Example, PairExample
 
 ARRAYS = {"tokens": np.int32, "mask": np.bool_, "lengths": np.int32, "targets": np.int32,
           "lines": np.int64, "dataset": np.int32, "records_idx": np.int64, "records_len": np.int64}
 PER_TOKEN = ("tokens", "mask")
+PER_SEQUENCE = ("lengths", "targets")
+KINDS = {"example": 1, "pair": 2}      # sequences per example
 
 
 def _file(name: str) -> str:
@@ -43,8 +49,8 @@ def _file(name: str) -> str:
 class StoreWriter:
     """Appends tokenized chunks to a store folder; `close()` returns the meta describing it."""
 
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
+    def __init__(self, folder: Path, kind: str = "example"):
+        self.folder, self.kind, self.roles = Path(folder), kind, KINDS[kind]
         self.folder.mkdir(parents=True, exist_ok=True)
         self._files = {name: open(self.folder / _file(name), "wb") for name in ARRAYS}
         self._hashes = {name: hashlib.sha256() for name in ARRAYS}
@@ -68,7 +74,7 @@ class StoreWriter:
     def append(self, dataset: int, packed: dict[str, np.ndarray], lines: list[int], records: list[str] | None) -> None:
         """Examples of one dataset, in order, as `pack` gives them; `records` (JSON text, one per example)
         when they may be held out."""
-        count = len(packed["lengths"])
+        count = len(packed["lengths"]) // self.roles
         if not count:
             return
         for name in ("tokens", "mask", "lengths", "targets"):
@@ -89,7 +95,7 @@ class StoreWriter:
     def close(self) -> dict:
         for f in (*self._files.values(), self._records):
             f.close()
-        return {"names": self.names, "by_row": self.by_row, "count": self.count, "tokens": self.tokens,
+        return {"kind": self.kind, "names": self.names, "by_row": self.by_row, "count": self.count, "tokens": self.tokens,
                 "records_bytes": self._records_at, "sha256": {k: h.hexdigest() for k, h in self._hashes.items()}}
 
     def abort(self) -> None:
@@ -98,7 +104,10 @@ class StoreWriter:
 
 
 def pack(examples: list[Example]) -> dict[str, np.ndarray]:
-    """Examples as the store's flat arrays: a few arrays cross from a worker to the writer, not an object each."""
+    """Examples as the store's flat arrays: a few arrays cross from a worker to the writer, not an object each.
+    A pair's sequences go in role order (chosen, rejected)."""
+    if examples and not isinstance(examples[0], Example):
+        examples = [s for e in examples for s in e.sequences()]
     if not examples:
         return {name: np.zeros(0, dtype=ARRAYS[name]) for name in ("tokens", "mask", "lengths", "targets")}
     return {"tokens": np.concatenate([e.input_ids for e in examples]).astype(np.int32, copy=False),
@@ -113,7 +122,10 @@ class TokenStore:
     def __init__(self, folder: Path, meta: dict, verify: bool = False):
         self.folder = Path(folder)
         self.names, self.by_row = list(meta["names"]), list(meta["by_row"])
-        sizes = {name: meta["tokens"] if name in PER_TOKEN else meta["count"] for name in ARRAYS}
+        self.kind = meta.get("kind", "example")
+        self.roles = KINDS[self.kind]
+        sizes = {name: meta["tokens"] if name in PER_TOKEN else meta["count"] * (self.roles if name in PER_SEQUENCE
+                 else 1) for name in ARRAYS}
         self.arrays: dict[str, np.ndarray] = {}
         for name, dtype in ARRAYS.items():
             path = self.folder / _file(name)
@@ -125,8 +137,9 @@ class TokenStore:
             # np.memmap refuses an empty file; an empty array is what it would hold.
             self.arrays[name] = (np.memmap(path, dtype=dtype, mode="r", shape=(sizes[name],)) if sizes[name]
                                  else np.zeros(0, dtype=dtype))
-        self.lengths = np.asarray(self.arrays["lengths"])
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+        # An example's length is its longest sequence's (PairExample's len), what batches are planned with.
+        self.lengths = self.per_example("lengths", np.maximum)
+        self.offsets = np.concatenate([[0], np.cumsum(self.arrays["lengths"], dtype=np.int64)])
         if self.offsets[-1] != sizes["tokens"]:
             raise ValueError("lengths.bin does not add up to tokens.bin")
         self._records = self.folder / "records.bin"
@@ -134,9 +147,20 @@ class TokenStore:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def example(self, k: int) -> Example:
-        a, b = self.offsets[k], self.offsets[k + 1]
-        return Example(np.asarray(self.arrays["tokens"][a:b]), np.asarray(self.arrays["mask"][a:b]), self.source(k))
+    def per_example(self, name: str, reduce=np.add) -> np.ndarray:
+        """A per-sequence array (lengths, targets) reduced over each example's sequences."""
+        values = np.asarray(self.arrays[name])
+        return values if self.roles == 1 else reduce.reduce(values.reshape(-1, self.roles), axis=1)
+
+    def example(self, k: int) -> Example | PairExample:
+        if self.roles == 1:
+            return self.sequence(k, self.source(k))
+        source = self.source(k)
+        return PairExample(*(self.sequence(k * self.roles + r, source) for r in range(self.roles)), source)
+
+    def sequence(self, j: int, source: str) -> Example:
+        a, b = self.offsets[j], self.offsets[j + 1]
+        return Example(np.asarray(self.arrays["tokens"][a:b]), np.asarray(self.arrays["mask"][a:b]), source)
 
     def source(self, k: int) -> str:
         d, line = int(self.arrays["dataset"][k]), int(self.arrays["lines"][k])
@@ -174,10 +198,11 @@ class StoreView(Sequence):
         return self.store.lengths[self.index]
 
     def total_tokens(self) -> int:
-        return int(self.lengths.sum(dtype=np.int64))
+        """Tokens of every sequence (both of a pair)."""
+        return int(self.store.per_example("lengths")[self.index].sum(dtype=np.int64))
 
     def target_tokens(self) -> int:
-        return int(np.asarray(self.store.arrays["targets"])[self.index].sum(dtype=np.int64))
+        return int(self.store.per_example("targets")[self.index].sum(dtype=np.int64))
 
     def datasets(self) -> np.ndarray:
         return np.asarray(self.store.arrays["dataset"])[self.index]

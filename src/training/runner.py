@@ -21,6 +21,7 @@ from typing import Callable
 from ..data.tokenizers import save_tokenizer
 from ..data import Batcher, load_data, prepare_data
 from ..data.pairs import Screening, drop_screened, fixed_item_batches, screen_records
+from ..data.pipeline import num_workers
 from ..errors import DataError
 from ..evaluation import EvalResult, evaluate_objective
 from .loop import save_trained, staged_final, train_loop
@@ -55,7 +56,7 @@ def run_recipe(cfg, backend, recipe: Recipe, overwrite: bool = False, echo=print
     loaded = load_data(cfg, method)
     if recipe.check is not None:
         recipe.check(loaded)
-    screening = screen_records(loaded.train + loaded.val)
+    screening = screen_records(loaded.train + loaded.val, num_workers(cfg))
     if screening.bad and recipe.bad_input == "error":
         raise_bad_records(screening, method)
     run = start_run(cfg, backend, overwrite, echo, started, callbacks, head=recipe.head)   # output_dir locked, model

@@ -1,0 +1,136 @@
+"""Preference pairs in the memory-mapped token store (kind "pair"): the same tokens, masks, splits, weights,
+screening and reports as the in-memory lists (`prepare.tokenize_all`) gave, streamed files included."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mudpuppy.data import BUILTIN_TEMPLATES, Batcher, load_data, prepare_data
+from mudpuppy.data import pipeline, prepare
+from mudpuppy.data.pairs import ItemView, collate_items, drop_screened, pair_items, screen_records, with_reference
+from mudpuppy.data.prepare import tokenize_all
+from mudpuppy.data.store import StoreView
+from mudpuppy.data.templates import apply_chat_template_choice
+from mudpuppy.errors import DataError
+
+from .conftest import SAMPLES
+
+# Every preference file among the samples: plain strings, chat prompts with string answers, chat answers.
+PAIR_FILES = ["sample_preference.jsonl", "smart_home_pref_train.jsonl", "topic_comfort_train.jsonl",
+              "topic_errands_train.jsonl", "topic_security_train.jsonl", "topic_security_val.jsonl"]
+OPTIONS = [{}, {"train_on_eos": "none"}, {"prompt_style": "raw"}]
+REPORT = ("per_dataset", "formats", "tool_formats", "truncated", "dropped", "dropped_too_long", "dropped_no_target",
+          "skipped", "skipped_at", "train_examples", "val_examples", "loss_token_share", "mix")
+
+
+def in_memory(cfg, tok, method="dpo"):
+    """Today's lists, exactly as prepare_data made them before the store: records read whole, then listed."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prepare, "STREAMED", ("sft",))
+        loaded = load_data(cfg, method)
+    template = apply_chat_template_choice(tok, cfg.data.chat_template)
+    return loaded, tokenize_all(cfg, tok, loaded, template is not None)
+
+
+def same_pairs(old, new) -> None:
+    assert isinstance(new.train, StoreView) and isinstance(old.train, list)
+    assert (len(old.train), len(old.val)) == (len(new.train), len(new.val))
+    for a, b in zip([*old.train, *old.val], [*new.train, *new.val]):
+        assert a.source == b.source
+        for x, y in zip(a.sequences(), b.sequences()):
+            assert x.source == y.source and x.input_ids.dtype == y.input_ids.dtype, a.source
+            assert np.array_equal(x.input_ids, y.input_ids) and np.array_equal(x.loss_mask, y.loss_mask), a.source
+    assert np.array_equal(new.train.lengths, [len(p) for p in old.train])
+    assert new.val_records == old.val_records
+    assert {k: getattr(new.report, k) for k in REPORT} == {k: getattr(old.report, k) for k in REPORT}
+
+
+def big_file(write, copies=4):
+    """Over stream.KEEP records, so the file is scanned and read again, not kept: every sample pair, repeated,
+    one identical pair and one empty answer among them."""
+    rows = [json.loads(line) for name in PAIR_FILES for line in (SAMPLES / name).read_text().splitlines()]
+    rows = rows * copies
+    rows[700] = {"prompt": "p", "chosen": "same", "rejected": "same"}
+    rows[1300] = {"prompt": "p", "chosen": " ", "rejected": "no"}
+    return write("big_pairs.jsonl", rows)
+
+
+@pytest.mark.parametrize("template", [None, *BUILTIN_TEMPLATES])
+@pytest.mark.parametrize("options", range(len(OPTIONS)))
+def test_the_pair_store_holds_exactly_the_tokens_and_masks_of_the_lists(make_cfg, tokenizer_dir, template, options,
+                                                                        monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(pipeline, "CHUNK", 7)          # several chunks per file
+    specs = [{"path": str(SAMPLES / name), **OPTIONS[options]} for name in PAIR_FILES]
+    cfg = make_cfg(specs, chat_template=template, sequence_len=70, val_set_size=30, num_proc=1)
+    loaded = load_data(cfg, "dpo")
+    try:
+        old = in_memory(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)))[1]
+    except DataError as exc:
+        with pytest.raises(DataError) as new_error:
+            prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method="dpo", use_cache=False)
+        assert str(new_error.value) == str(exc)
+        return
+    new = prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method="dpo", use_cache=False)
+    assert old.report.truncated > 0
+    same_pairs(old, new)
+
+
+@pytest.mark.parametrize("method", ["dpo", "rm"])
+def test_a_streamed_file_in_two_workers_with_weights_and_a_validation_file(make_cfg, tok, tokenizer_dir, write,
+                                                                           method, monkeypatch):
+    """A file over KEEP records is scanned and read again (dpo) or held (rm); two workers, chunks of 5, a
+    weight, a validation file and dropped pairs: the lists' pairs, and the lists' screening."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(pipeline, "CHUNK", 5)
+    big = big_file(write)
+    specs = [{"path": str(big), "weight": 0.5}, {"path": str(SAMPLES / "sample_preference.jsonl"), "weight": 2}]
+    cfg = make_cfg(specs, val=[SAMPLES / "smart_home_pref_val.jsonl"], num_proc=2, truncation="drop",
+                   sequence_len=80)
+    loaded = load_data(cfg, method)
+    assert (loaded.train[0].stream is not None) == (method == "dpo")
+    old_loaded, old = in_memory(cfg, tok, method)
+    new = prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method=method, use_cache=False)
+    same_pairs(old, new)
+    assert new.report.dropped_too_long > 0 and len(new.val_records) == len(new.val) > 0
+    old_screen, new_screen = screen_records(old_loaded.train + old_loaded.val), screen_records(loaded.train, 2)
+    assert new_screen.bad == old_screen.bad and len(new_screen.bad) == 2
+    kept_old, kept_new = drop_screened(old.train, old_screen), drop_screened(new.train, new_screen)
+    assert isinstance(kept_new, StoreView) and len(kept_new) < len(new.train)
+    assert [p.source for p in kept_old] == [p.source for p in kept_new]
+
+
+def test_items_batches_and_reference_from_the_store_match_the_lists(make_cfg, tok, write):
+    cfg = make_cfg([big_file(write, copies=2)], val_set_size=10)
+    loaded = load_data(cfg, "dpo")
+    new = prepare_data(cfg, tok, loaded, method="dpo", use_cache=False)
+    old = in_memory(cfg, tok)[1]
+    items_new, items_old = pair_items(new.train), pair_items(old.train)
+    assert isinstance(items_new, ItemView)
+    ref = np.random.default_rng(0).normal(size=(len(items_new), 2)).astype(np.float32)
+    items_new, items_old = with_reference(items_new, ref), with_reference(items_old, ref)
+    a = Batcher(items_old, 3, 0, seed=5, group_by_length=True, collate_fn=collate_items)
+    b = Batcher(items_new, 3, 0, seed=5, group_by_length=True, collate_fn=collate_items)
+    for _ in range(a.batches_per_epoch + 2):
+        x, y = a.next_batch(), b.next_batch()
+        assert np.array_equal(x.batch.input_ids, y.batch.input_ids) and np.array_equal(x.batch.labels, y.batch.labels)
+        assert np.array_equal(x.ref_logps, y.ref_logps) and np.array_equal(x.labels, y.labels)
+    part = items_new[4:9]
+    assert isinstance(part, ItemView) and np.array_equal(part.ref, ref[4:9]) and part[0].source == items_old[4].source
+
+
+def test_a_cached_pair_store_reads_back_the_same_pairs(make_cfg, tok, write):
+    cfg = make_cfg([big_file(write, copies=2)], val_set_size=12)
+    written = prepare_data(cfg, tok, method="dpo", write_cache=True)
+    reused = prepare_data(cfg, tok, method="dpo")
+    assert (written.report.cache, reused.report.cache) == ("written", "reused")
+    assert isinstance(reused.train, StoreView) and reused.train.store.kind == "pair"
+    assert np.array_equal(written.train.index, reused.train.index)
+    for a, b in zip(written.train, reused.train):
+        assert a.source == b.source and np.array_equal(a.rejected.input_ids, b.rejected.input_ids)
+    assert reused.val_records == written.val_records and reused.report.loss_token_share == written.report.loss_token_share
