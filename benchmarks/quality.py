@@ -10,7 +10,11 @@ Each cell (task, side, precision, seed) trains in its own process, then a
 second process evaluates the adapter with plain transformers + PEFT (no
 mudpuppy code is imported there): greedy exact match of the assistant answer
 and the mean loss over the answer tokens (the answer and <|im_end|>) of the
-held-out chats, in fp32, for both sides alike. Every cell is appended to
+held-out chats, in fp32, for both sides alike. A QLoRA cell (adapter.type qlora, LoftQ's included) is
+evaluated as it trained: the training worker merges its adapter into mudpuppy's dequantized 4-bit base
+(`mudpuppy merge`) and the evaluator reads that plain model with transformers alone; an adapter put on
+the full-precision base instead would add LoftQ's correction of the quantization error to weights that
+have none. Every cell is appended to
 --out as it finishes; a rerun skips the cells already there, so a long grid
 can be stopped and continued.
 
@@ -190,13 +194,20 @@ def train_mudpuppy(task: dict, steps: int, seed: int, precision: str, out: Path,
     handle = result.model
     dtype = getattr(handle, "autocast_dtype", None)
     ran = "bf16" if "bfloat16" in str(dtype) else ("fp16" if "float16" in str(dtype) else "fp32")
-    return {"adapter": str(out), "train_seconds": seconds, "losses": list(result.losses), "precision_ran": ran,
-            "peak_rss_mb": peak_rss_mb(), "model_path": model_path()}
+    trained = {"adapter": str(out), "train_seconds": seconds, "losses": list(result.losses), "precision_ran": ran,
+               "peak_rss_mb": peak_rss_mb(), "model_path": model_path()}
+    if cfg.adapter.type == "qlora":     # evaluated on the 4-bit base it trained on (see the module's doc)
+        from mudpuppy.training.merge import merge_run
+
+        merged = merge_run(cfg, create_backend("cpu"), str(out), str(out.with_name(out.name + "-4bit-merged")),
+                           "float32", overwrite=True, echo=lambda *_: None)
+        trained.update(adapter=None, model_path=str(merged))
+    return trained
 
 
 # ---------------------------------------------------------------- the evaluator: transformers + PEFT only
 
-def evaluate_adapter(base_path: str, adapter: str, val: Path, batch: int = 20, max_new_tokens: int = 12) -> dict:
+def evaluate_adapter(base_path: str, adapter: str | None, val: Path, batch: int = 20, max_new_tokens: int = 12) -> dict:
     """Held-out greedy exact match of the answer and mean loss over the answer tokens, fp32."""
     import torch
     from peft import PeftModel
@@ -205,7 +216,7 @@ def evaluate_adapter(base_path: str, adapter: str, val: Path, batch: int = 20, m
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(base_path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    model = PeftModel.from_pretrained(model, adapter).eval()
+    model = (PeftModel.from_pretrained(model, adapter) if adapter else model).eval()
     end = "<|im_end|>"
     end_id = tok.convert_tokens_to_ids(end)
     rows = read_jsonl(val)
@@ -345,16 +356,17 @@ def run_cell(args, task_name: str, side: str, precision: str, seed: int, native:
         cmd += ["--set", s]
     subprocess.run(cmd, check=True, env=env)
     trained = json.loads(train_json.read_text())
-    subprocess.run([sys.executable, __file__, "--worker", "eval", "--task-name", task_name, "--worker-dir",
-                    trained["adapter"], "--model-path", trained["model_path"], "--result", str(eval_json)],
-                   check=True, env=env)
+    adapter = ["--worker-dir", trained["adapter"]] if trained["adapter"] else []     # none: a merged model
+    subprocess.run([sys.executable, __file__, "--worker", "eval", "--task-name", task_name, *adapter,
+                    "--model-path", trained["model_path"], "--result", str(eval_json)], check=True, env=env)
     ev = json.loads(eval_json.read_text())
     return {"task": task_name, "side": side, "precision": precision, "seed": seed, "tag": tag, "steps": steps,
             "precision_ran": trained["precision_ran"], "exact_match": ev["exact_match"],
             "heldout_loss": ev["heldout_loss"], "wrong": ev["wrong"], "train_seconds": trained["train_seconds"],
             "cell_seconds": time.perf_counter() - start, "losses": trained["losses"],
             "peak_rss_mb": trained["peak_rss_mb"], "sets": mp_set if side == "mudpuppy" else args.trl_set,
-            "threads": args.threads,
+            "threads": args.threads, "evaluated_on": ("the 4-bit base, adapter merged" if trained["adapter"] is None
+                                                      else "the fp32 base, PEFT adapter"),
             "date": date.today().isoformat()}
 
 
@@ -456,7 +468,8 @@ def main() -> None:
 
         torch.set_num_threads(int(os.environ["QUALITY_THREADS"]))
     if args.worker == "eval":
-        r = evaluate_adapter(args.model_path, str(args.worker_dir), TASKS[args.task_name]["val"])
+        r = evaluate_adapter(args.model_path, str(args.worker_dir) if args.worker_dir else None,
+                             TASKS[args.task_name]["val"])
         args.result.write_text(json.dumps(r))
         return
     if args.worker:
