@@ -239,53 +239,46 @@ def test_the_adapter_merges_onto_the_dequantized_base(wide_model_dir, tmp_path):
     np.testing.assert_allclose(logits[mask], expected[mask], atol=1e-4)
 
 
-def test_mudpuppy_merge_rebuilds_the_base_loftq_iterations_left(wide_model_dir, tiny_config, tmp_path):
+def trained_weights(runtime: str, handle) -> dict[str, np.ndarray]:
+    """B moved off LoftQ's start (a trained adapter); each target's dequantized base + scale * B @ A."""
+    if runtime == "mlx":
+        import mlx.core as mx
+
+        from mudpuppy.backends.mlx.layers import adapter_layers, base_weight
+
+        out = {}
+        for path, layer in adapter_layers(handle.model).items():
+            layer.lora_b = layer.lora_b + 0.05 * mx.random.normal(layer.lora_b.shape)
+            out[f"{path}.weight"] = np.array(base_weight(layer.linear).astype(mx.float32)) + np.array(
+                layer.scale * (layer.lora_a @ layer.lora_b).T)
+        return out
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in torch_layers(handle).values():
+            layer.lora_B["default"].weight.add_(0.05 * torch.randn_like(layer.lora_B["default"].weight))
+        return {f"{n}.weight": (l.get_base_layer().dequantize(torch.float32) + l.get_delta_weight("default")).numpy()
+                for n, l in torch_layers(handle).items()}
+
+
+@pytest.mark.parametrize("runtime", ["cpu", pytest.param("mlx", marks=pytest.mark.mlx)])
+def test_mudpuppy_merge_rebuilds_the_base_loftq_iterations_left(wide_model_dir, tiny_config, tmp_path, runtime):
     """`mudpuppy merge` (and exports, evals: the same loader) of a loftq_iter 2 run folds the adapter into
     the 4-bit base the iterations left, not into the checkpoint quantized again."""
     from safetensors.numpy import load_file
 
     from mudpuppy.training.merge import merge_run
 
+    if runtime == "mlx":
+        pytest.importorskip("mlx.core")
     tiny_config["model"]["base_model"] = str(wide_model_dir)
     tiny_config["adapter"].update(type="qlora", r=R, alpha=ALPHA, init="loftq", loftq_iter=2)
     cfg = load_config(tiny_config)
-    backend = create_backend("cpu")
+    backend = create_backend(runtime)
     handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter)
     backend.attach_adapter(handle, cfg.adapter)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for layer in torch_layers(handle).values():      # a trained adapter: B moved off LoftQ's start
-            layer.lora_B["default"].weight.add_(0.05 * torch.randn_like(layer.lora_B["default"].weight))
-    expected = {f"{n}.weight": (l.get_base_layer().dequantize(torch.float32) + l.get_delta_weight("default"))
-                .detach().numpy() for n, l in torch_layers(handle).items()}
+    expected = trained_weights(runtime, handle)
     backend.save_adapter(handle, str(tmp_path / "adapter"))
-    merged = merge_run(cfg, create_backend("cpu"), str(tmp_path / "adapter"), str(tmp_path / "merged"), "float32")
-    state = load_file(str(merged / "model.safetensors"))
-    for key, weight in expected.items():
-        np.testing.assert_allclose(state[key], weight, atol=1e-6, err_msg=key)
-
-
-@pytest.mark.mlx
-def test_mlx_merge_rebuilds_the_base_loftq_iterations_left(wide_model_dir, tiny_config, tmp_path):
-    mx = pytest.importorskip("mlx.core")
-    from safetensors.numpy import load_file
-
-    from mudpuppy.backends.mlx.layers import adapter_layers, base_weight
-    from mudpuppy.training.merge import merge_run
-
-    tiny_config["model"]["base_model"] = str(wide_model_dir)
-    tiny_config["adapter"].update(type="qlora", r=R, alpha=ALPHA, init="loftq", loftq_iter=2)
-    cfg = load_config(tiny_config)
-    backend = create_backend("mlx")
-    handle = backend.load_model(cfg.model, "fp32", adapter=cfg.adapter)
-    backend.attach_adapter(handle, cfg.adapter)
-    expected = {}
-    for path, layer in adapter_layers(handle.model).items():
-        layer.lora_b = layer.lora_b + 0.05 * mx.random.normal(layer.lora_b.shape)   # a trained adapter
-        expected[f"{path}.weight"] = np.array(base_weight(layer.linear).astype(mx.float32)) + np.array(
-            layer.scale * (layer.lora_a @ layer.lora_b).T)
-    backend.save_adapter(handle, str(tmp_path / "adapter"))
-    merged = merge_run(cfg, create_backend("mlx"), str(tmp_path / "adapter"), str(tmp_path / "merged"), "float32")
+    merged = merge_run(cfg, create_backend(runtime), str(tmp_path / "adapter"), str(tmp_path / "merged"), "float32")
     state = load_file(str(merged / "model.safetensors"))
     for key, weight in expected.items():
         np.testing.assert_allclose(state[key], weight, atol=1e-5, err_msg=key)
