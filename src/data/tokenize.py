@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from .byte_offsets import fast_flat
 from .examples import AnyExample, Example, ImageExample, LabeledExample, PairExample, PromptExample, StepExample
 from .readers import Record, record_error
 from .render import (
@@ -57,7 +58,11 @@ def encode_flat(tokenizer, items: list[Rendered], add_special_tokens: bool
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The texts' ids (int32 [T]) and character offsets ([T, 2]) one after the other, and where each
     text's tokens begin ([n + 1]: text j holds tokens bounds[j]:bounds[j + 1])."""
-    encodings = rust_encodings(tokenizer, [r.text for r in items], add_special_tokens)
+    texts = [r.text for r in items]
+    flat = byte_level_flat(tokenizer, texts, add_special_tokens)
+    if flat is not None:
+        return flat
+    encodings = rust_encodings(tokenizer, texts, add_special_tokens)
     if encodings is None:
         pairs = encode_with_offsets(tokenizer, items, add_special_tokens)
         bounds = np.zeros(len(pairs) + 1, dtype=np.int64)
@@ -72,6 +77,16 @@ def encode_flat(tokenizer, items: list[Rendered], add_special_tokens: bool
     offsets = np.fromiter(chain.from_iterable(chain.from_iterable(e.offsets for e in encodings)),
                           dtype=np.int64, count=2 * total).reshape(-1, 2)
     return ids, offsets, bounds
+
+
+def byte_level_flat(tokenizer, texts: list[str], add_special_tokens: bool
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`encode_flat`'s arrays with offsets from the tokens' byte lengths (byte_offsets.py), for texts without
+    special tokens sent straight to a byte-level BPE Rust tokenizer; None where that does not apply."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if add_special_tokens or not getattr(tokenizer, "is_fast", False) or not direct_encoding(tokenizer, backend):
+        return None
+    return fast_flat(tokenizer, backend, texts)
 
 
 def rust_encodings(tokenizer, texts: list[str], add_special_tokens: bool) -> list | None:

@@ -23,11 +23,15 @@ def texts_of(tok) -> list[str]:
     return texts + ["", " leading space", "emoji \U0001f600 and accents: d\u00e9j\u00e0 vu", "<|im_end|> inside text"]
 
 
-@pytest.mark.parametrize("path", ["direct", "transformers", "no encodings"])
+@pytest.mark.parametrize("path", ["byte lengths", "direct", "transformers", "no encodings"])
 @pytest.mark.parametrize("special", [False, True])
 def test_ids_and_offsets_match_the_tokenizers_own_mapping(tok, special, path, monkeypatch):
     texts = texts_of(tok)
     assert direct_encoding(tok, tok._tokenizer)          # the tiny tokenizer takes the direct path by default
+    # ... and, a byte-level BPE, offsets from its tokens' byte lengths where no special tokens are added
+    assert (tokenize.byte_level_flat(tok, texts, special) is not None) == (not special)
+    if path != "byte lengths":
+        monkeypatch.setattr(tokenize, "byte_level_flat", lambda *a: None)
     if path == "transformers":
         monkeypatch.setattr(tokenize, "direct_encoding", lambda *a: False)
     elif path == "no encodings":
