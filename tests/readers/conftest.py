@@ -48,6 +48,23 @@ class Models:
             self.files[key] = out / f"model-{quant}.gguf"
         return self.files[key]
 
+    def dequantized(self, family: str, quant: str):
+        """mudpuppy's dequantized forward: the source model computing with the weights stored in its GGUF
+        at `quant`, each tensor dequantized by gguf-py and put back under the source's names by the
+        export's own inverse of the writer's plan (export/quality.py, what the export's report scores).
+        This is what llama.cpp should compute from the file, up to its float arithmetic (and its quantized
+        activations in quantized matrix products)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from mudpuppy.export.quality import write_dequantized
+
+        _, _, src, _ = self.model(family)
+        target = self.root / f"{family}-{quant}-dequantized"
+        if not (target / "config.json").is_file():
+            write_dequantized(self.gguf(family, quant), src, target)
+        return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):

@@ -1,6 +1,6 @@
 """llama.cpp reads every family mudpuppy exports, at every quant type mudpuppy writes, and computes what
 mudpuppy's dequantized forward computes (the source model with the file's own weights,
-tests/readers/dequantized.py): the logits over the prompt and the reference's greedy answer agree to a
+conftest.Models.dequantized): the logits over the prompt and the reference's greedy answer agree to a
 median difference under TOLERANCE, and the greedy tokens are equal up to the first step where the
 reference's two best tokens are closer than twice the largest difference llama.cpp showed on that
 prompt (there its arithmetic may break the tie the other way, and what follows differs).
@@ -21,7 +21,6 @@ import pytest
 from ..export.conftest import logits as torch_logits
 from .conftest import ALL_FAMILIES, TEXT
 from .cpp import K_QUANTS, READERS, greedy, load, logits
-from .dequantized import dequantized_model
 
 pytestmark = READERS
 QUANTS = ["f16", "q8_0", "q4_0", *K_QUANTS]
@@ -52,10 +51,10 @@ def comparable_steps(reference: np.ndarray, start: int, n: int, spread: float) -
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_llama_cpp_computes_as_the_dequantized_model(models, family, quant):
-    model, tok, _, config = models.model(family)
+    _, tok, _, _ = models.model(family)
     path = models.gguf(family, quant)
     ids = tok(TEXT, add_special_tokens=False)["input_ids"]
-    reference = dequantized_model(family, model, config, path)
+    reference = models.dequantized(family, quant)
     want = torch_greedy(reference, ids, NEW_TOKENS, tok.pad_token_id)
     tolerance = TOLERANCE.get(quant, QUANTIZED_ACTIVATIONS)
     llm = load(path)

@@ -1,5 +1,5 @@
 """Perplexity through llama.cpp's own evaluation (its logits over a text, teacher-forced) equals
-mudpuppy's (the dequantized forward of tests/readers/dequantized.py over the same tokens) for every
+mudpuppy's (the dequantized forward of conftest.Models.dequantized over the same tokens) for every
 family at q8_0, q4_k_m and q2_k, and a 2-bit file moves it further from the merged model's than an
 8-bit one.
 
@@ -18,7 +18,6 @@ from ..export.conftest import logits as torch_logits
 from .conftest import ALL_FAMILIES, TEXT
 from .cpp import READERS, load, logits
 from .test_greedy import report
-from .dequantized import dequantized_model
 
 pytestmark = READERS
 QUANTS = ["q8_0", "q4_k_m", "q2_k"]
@@ -35,13 +34,13 @@ def perplexity(scores: np.ndarray, ids: list[int]) -> float:
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_llama_cpp_perplexity_equals_mudpuppys(models, family):
-    model, tok, _, config = models.model(family)
+    model, tok, _, _ = models.model(family)
     ids = tok(TEXT, add_special_tokens=False)["input_ids"]
     merged = perplexity(torch_logits(model, ids), ids)
     seen = {}
     for quant in QUANTS:
         path = models.gguf(family, quant)
-        ours = perplexity(torch_logits(dequantized_model(family, model, config, path), ids), ids)
+        ours = perplexity(torch_logits(models.dequantized(family, quant), ids), ids)
         theirs = perplexity(logits(load(path), ids), ids)
         seen[quant] = (ours, theirs)
         bound = 0.3 if family in MOE else 0.1          # |log ratio|: 35% and 10.5%
