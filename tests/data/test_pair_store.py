@@ -134,3 +134,22 @@ def test_a_cached_pair_store_reads_back_the_same_pairs(make_cfg, tok, write):
     for a, b in zip(written.train, reused.train):
         assert a.source == b.source and np.array_equal(a.rejected.input_ids, b.rejected.input_ids)
     assert reused.val_records == written.val_records and reused.report.loss_token_share == written.report.loss_token_share
+
+
+def test_two_ranks_map_the_one_pair_store_rank_0_wrote(make_cfg, tokenizer_dir, write, tmp_path):
+    from transformers import AutoTokenizer
+
+    from .test_shared import run_ranks
+
+    cfg = make_cfg([big_file(write, copies=2)], val_set_size=10)
+    loaded = load_data(cfg, "dpo")
+    results = run_ranks(2, lambda ranks: prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded,
+                                                      method="dpo", use_cache=False, ranks=ranks))
+    zero, one = results
+    assert not isinstance(zero, Exception) and not isinstance(one, Exception), results
+    maps = [r.train.store.arrays["tokens"] for r in results]
+    assert all(isinstance(m, np.memmap) for m in maps) and maps[0].filename == maps[1].filename
+    assert one.train.store.kind == "pair" and one.report.mapped_by == 2   # (tokenized_by counts processes)
+    assert list((tmp_path / "cache" / ".scratch").iterdir()) == []           # removed once both mapped
+    for a, b in zip(zero.train, one.train):
+        assert a.source == b.source and np.array_equal(a.chosen.input_ids, b.chosen.input_ids)
