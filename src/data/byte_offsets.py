@@ -40,19 +40,20 @@ def byte_lengths(tokenizer, backend) -> np.ndarray | None:
 
 
 def _eligible(backend) -> bool:
-    try:
-        spec = json.loads(backend.to_str())
-    except Exception:       # noqa: BLE001 - a tokenizer that cannot describe itself is not checked further
+    model = backend.model
+    if type(model).__name__ != "BPE" or model.byte_fallback or model.dropout \
+            or model.continuing_subword_prefix or model.end_of_word_suffix:
         return False
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout") \
-            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+    if backend.normalizer is not None or not _byte_level(_state(backend.pre_tokenizer)):
         return False
-    if spec.get("normalizer") is not None or not _byte_level(spec.get("pre_tokenizer")):
+    if not _untrimmed(_state(backend.post_processor)):
         return False
-    if not _untrimmed(spec.get("post_processor")):
-        return False
-    return all(not (t.get("lstrip") or t.get("rstrip") or t.get("single_word")) for t in spec.get("added_tokens", ()))
+    return all(not (t.lstrip or t.rstrip or t.single_word) for t in backend.get_added_tokens_decoder().values())
+
+
+def _state(part) -> dict | None:
+    """A pre-tokenizer's or post-processor's settings, as tokenizer.json writes them."""
+    return None if part is None else json.loads(part.__getstate__())
 
 
 def _byte_level(pre) -> bool:

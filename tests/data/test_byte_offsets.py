@@ -83,6 +83,13 @@ def test_tokenizers_outside_the_scheme_are_left_to_rust(tok, change):
     assert not byte_offsets._eligible(backend)
 
 
+@pytest.mark.parametrize("change", [{"byte_fallback": True}, {"dropout": 0.1}])
+def test_bpe_settings_that_change_token_strings_are_left_to_rust(tok, change):
+    spec = json.loads(tok._tokenizer.to_str())
+    spec["model"].update(change)
+    assert not byte_offsets._eligible(Tokenizer.from_str(json.dumps(spec)))
+
+
 def test_an_added_token_that_strips_spaces_is_left_to_rust(tok):
     spec = json.loads(tok._tokenizer.to_str())
     spec["added_tokens"][0]["lstrip"] = True
