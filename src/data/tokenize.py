@@ -2,7 +2,8 @@
 
 A token carries loss when it starts inside a trained character span (see
 `render.py`). Texts are tokenized in batches with offsets, which fast
-tokenizers compute in Rust; a tokenizer without offsets falls back to
+tokenizers compute in Rust (a byte-level BPE's come from its tokens' byte
+lengths instead: `byte_offsets.py`); a tokenizer without offsets falls back to
 tokenizing the text piece by piece, cut at the span boundaries.
 """
 
