@@ -21,17 +21,27 @@ def mudpuppy(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.fixture(scope="session")
-def lora_run(tiny_model_dir, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("export-run")
-    cfg = tiny_run_config(tiny_model_dir, root / "run")
-    cfg["training"].update(max_steps=2, learning_rate=5e-2)
+def trained_run(root: Path, model_dir: Path, training: dict, data: dict | None = None,
+                adapter: dict | None = None) -> Path:
+    """`mudpuppy run` of the tiny run config on `model_dir` in `root` (its training settings updated by
+    `training`, data by `data`, the adapter section replaced by `adapter`; no evaluation, no data cache);
+    returns the run directory."""
+    cfg = tiny_run_config(model_dir, root / "run")
+    cfg["training"].update(training)
     cfg["eval"] = {"before_training": False, "after_training": False}
-    cfg["data"].update(cache=False, chat_template=RUN_TEMPLATE)
+    cfg["data"].update(cache=False, **(data or {}))
+    if adapter is not None:
+        cfg["adapter"] = adapter
     (root / "run.yaml").write_text(yaml.safe_dump(cfg))
     done = mudpuppy("run", "-c", root / "run.yaml")
     assert done.exit_code == 0, done.output
     return root / "run"
+
+
+@pytest.fixture(scope="session")
+def lora_run(tiny_model_dir, tmp_path_factory) -> Path:
+    return trained_run(tmp_path_factory.mktemp("export-run"), tiny_model_dir, dict(max_steps=2, learning_rate=5e-2),
+                       data=dict(chat_template=RUN_TEMPLATE))
 
 
 @pytest.fixture(scope="session")

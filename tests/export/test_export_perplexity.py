@@ -9,11 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
-from ..conftest import QUICKSTART_DATA, build_tiny_model, tiny_run_config
+from ..conftest import QUICKSTART_DATA, build_tiny_model
 from ..readers.cpp import READERS
-from .conftest import mudpuppy
+from .conftest import mudpuppy, trained_run
 from .test_cli import one_error
 from .test_gguf_families import FAMILIES, build
 
@@ -26,15 +25,8 @@ def learned_run(tmp_path_factory) -> Path:
     fallbacks of narrower rows) that has learned its training examples: near a minimum of their loss, where
     rounding the weights costs (on a random model, noise on the logits can as well help)."""
     root = tmp_path_factory.mktemp("ppl-run")
-    cfg = tiny_run_config(build_tiny_model(root / "base", hidden_size=256), root / "run")
-    cfg["adapter"] = {"type": "none"}
-    cfg["training"].update(max_steps=60, learning_rate=1e-2)
-    cfg["eval"] = {"before_training": False, "after_training": False}
-    cfg["data"].update(cache=False)
-    (root / "run.yaml").write_text(yaml.safe_dump(cfg))
-    done = mudpuppy("run", "-c", root / "run.yaml")
-    assert done.exit_code == 0, done.output
-    return root / "run"
+    return trained_run(root, build_tiny_model(root / "base", hidden_size=256), dict(max_steps=60, learning_rate=1e-2),
+                       adapter={"type": "none"})
 
 
 @pytest.fixture(scope="module")
