@@ -3,7 +3,8 @@
 the same tensors, each of the same ggml type with the same bytes. Without an importance matrix for
 every family, and with one (an imatrix GGUF in llama-imatrix's form, read by mudpuppy through
 --imatrix and handed to llama.cpp as llama-quantize's load_imatrix would) for a dense model, an MoE
-model (per-expert rows) and a tied head (the head's row filed under token_embd)."""
+model (per-expert rows) and a tied head (the head's row filed under token_embd); and the 32-value
+fallback types of rows that are not a multiple of 256 (a 96-wide model), at every K file type."""
 
 from __future__ import annotations
 
@@ -101,3 +102,36 @@ def test_k_quant_file_with_an_imatrix_equals_llama_cpp_quantizer(models, family,
     assert differences(ours, theirs) == []
     plain = models.gguf(family, quant)
     assert differences(ours, plain) != []                       # the matrix changed blocks: not vacuous
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    """A Qwen3 model 96 wide with an FFN of 160 (rows multiples of 32, not of 256: each K type falls back
+    to its 32-value type, as SmolLM2-135M's 576 do) and 512-wide attention outputs (4 heads of 128: K-quants
+    stay), so one file holds both; its f32 GGUF and an export per quant, cached."""
+    from mudpuppy.export import ExportRequest, export_model
+
+    from ..export.test_gguf_families import build
+    from .conftest import QUIET
+
+    root = tmp_path_factory.mktemp("narrow")
+    build("qwen3", root / "model", hidden_size=96, intermediate_size=160, num_hidden_layers=4)
+    files = {}
+
+    def gguf(quant: str):
+        if quant not in files:
+            export_model(ExportRequest(str(root / "model"), "gguf", str(root / quant), quant=quant), **QUIET)
+            files[quant] = root / quant / f"model-{quant}.gguf"
+        return files[quant]
+    return gguf
+
+
+@pytest.mark.parametrize("quant", K_QUANTS)
+def test_fallback_types_equal_llama_cpp_quantizer(narrow, quant, tmp_path):
+    import gguf
+
+    ours, theirs = narrow(quant), tmp_path / f"llama-{quant}.gguf"
+    quantize(narrow("f32"), theirs, quant)
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(ours)).tensors}
+    assert kinds & {"Q4_0", "Q5_0", "Q5_1", "Q8_0"} and kinds & {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}, kinds
+    assert differences(ours, theirs) == []
