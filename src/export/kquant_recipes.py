@@ -14,6 +14,11 @@ and the families mudpuppy writes (no Falcon, no IQ or MXFP4 file types):
     llama_ftype_get_default_type    lines 897-907   Q4_K_M -> Q4_K, ...
     init_quantize_state_counters    lines 927-941   n_attention_wv, tied embeddings = no output.weight
 
+Checked (2026-11-27) against llama.cpp's master as indexed then (commit 007dbbf, after the tensor_category
+refactor): the same rules and fallbacks for these file types. Older llama.cpp (e.g. 8784689, before that
+refactor) sent Q2_K and Q3_K rows that are not a multiple of 256 to IQ4_NL, not Q4_0; mudpuppy writes no
+IQ4_NL and follows the vendored version it is byte-tested against.
+
 llama-quantize visits tensors sorted by layer, then by name (llama-model-loader.h:54-65,
 weight_name_comparer); the attn_v counter advances in that order, so this does too.
 """
