@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -63,38 +64,18 @@ class ItemBatch:
 
 def pair_items(pairs: list[PairExample] | StoreView) -> list[Item] | ItemView:
     if isinstance(pairs, StoreView):
-        return ItemView(pairs)
-    return [Item((p.chosen, p.rejected), source=p.source) for p in pairs]
+        return ItemView(pairs, pair_item)
+    return [pair_item(pairs, i) for i in range(len(pairs))]
 
 
-class ItemView(Sequence):
-    """The Items of a pair store's view, made on access; `ref` holds the reference log-probs
-    ([len(view), roles], float32) once they are computed."""
-
-    def __init__(self, view: StoreView, ref: np.ndarray | None = None):
-        self.view, self.ref = view, ref
-
-    def __len__(self) -> int:
-        return len(self.view)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return ItemView(self.view[i], None if self.ref is None else self.ref[i])
-        pair = self.view[i]
-        return Item((pair.chosen, pair.rejected), ref_logps=None if self.ref is None else self.ref[i],
-                    source=pair.source)
-
-    @property
-    def lengths(self) -> np.ndarray:       # what the Batcher plans with: one array, no Item built
-        return self.view.lengths
-
-
-def scored_items(examples: list[LabeledExample]) -> list[Item]:
+def scored_items(examples: list[LabeledExample] | StoreView) -> list[Item] | ItemView:
     """Reward data {text, label}: one sequence, a float label."""
-    return [Item((e.example,), float(e.label), source=e.source) for e in examples]
+    if isinstance(examples, StoreView):
+        return ItemView(examples, scored_item)
+    return [scored_item(examples, i) for i in range(len(examples))]
 
 
-def kto_items(examples: list[LabeledExample], sequence_len: int) -> list[Item]:
+def kto_items(examples: list[LabeledExample] | StoreView, sequence_len: int) -> list[Item] | ItemView:
     """Each KTO example with a mismatched sequence: its prompt, the previous example's completion.
 
     KTO estimates the policy's KL from the reference on (prompt, completion)
@@ -103,15 +84,62 @@ def kto_items(examples: list[LabeledExample], sequence_len: int) -> list[Item]:
     dataset, once, so the pairing stays fixed whatever order batches come in
     (shuffled epochs, resume) and its reference log-probs can be precomputed.
     """
-    n = len(examples)
-    out = []
-    for i, ex in enumerate(examples):
-        prompt_ids, _, _ = split_completion(ex.example)
-        _, ids, mask = split_completion(examples[(i - 1) % n].example)
-        kl = Example(np.concatenate([prompt_ids, ids])[:sequence_len],
-                     np.concatenate([np.zeros(len(prompt_ids), bool), mask])[:sequence_len], ex.source)
-        out.append(Item((ex.example, kl), 1.0 if ex.label else 0.0, source=ex.source))
-    return out
+    build = partial(kto_item, sequence_len=sequence_len)
+    if isinstance(examples, StoreView):
+        return ItemView(examples, build, planned=False)
+    return [build(examples, i) for i in range(len(examples))]
+
+
+def pair_item(pairs, i: int) -> Item:
+    p = pairs[i]
+    return Item((p.chosen, p.rejected), source=p.source)
+
+
+def scored_item(examples, i: int) -> Item:
+    e = examples[i]
+    return Item((e.example,), float(e.label), source=e.source)
+
+
+def kto_item(examples, i: int, sequence_len: int) -> Item:
+    ex = examples[i]
+    prompt_ids, _, _ = split_completion(ex.example)
+    _, ids, mask = split_completion(examples[(i - 1) % len(examples)].example)
+    kl = Example(np.concatenate([prompt_ids, ids])[:sequence_len],
+                 np.concatenate([np.zeros(len(prompt_ids), bool), mask])[:sequence_len], ex.source)
+    return Item((ex.example, kl), 1.0 if ex.label else 0.0, source=ex.source)
+
+
+class ItemView(Sequence):
+    """The Items of a token store's view, each made on access by `build(view, position)` (as the list
+    functions above make them from a list); a slice keeps the positions, so what an item is paired with
+    (KTO) does not change. `ref` holds the reference log-probs ([len, roles], float32) once computed."""
+
+    def __init__(self, view: StoreView, build, positions: np.ndarray | None = None,
+                 ref: np.ndarray | None = None, planned: bool = True):
+        self.view, self.build, self.ref, self.planned = view, build, ref, planned
+        self.positions = np.arange(len(view), dtype=np.int64) if positions is None else positions
+        self._lengths = None
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return ItemView(self.view, self.build, self.positions[i], None if self.ref is None else self.ref[i],
+                            self.planned)
+        item = self.build(self.view, int(self.positions[i]))
+        if self.ref is not None:
+            item.ref_logps = self.ref[i]
+        return item
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """What the Batcher plans with: the view's length array where an item is as long as its example
+        (`planned`); else (KTO's mismatched sequence) each item measured once, none kept."""
+        if self._lengths is None:
+            self._lengths = (self.view.lengths[self.positions] if self.planned else
+                             np.fromiter((len(self[i]) for i in range(len(self))), dtype=np.int64, count=len(self)))
+        return self._lengths
 
 
 def split_completion(ex: Example) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -124,7 +152,8 @@ def split_completion(ex: Example) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def with_reference(items: list[Item], ref_logps: np.ndarray) -> list[Item]:
     """Items carrying precomputed reference log-probs ([len(items), roles])."""
     if isinstance(items, ItemView):
-        return ItemView(items.view, np.asarray(ref_logps, dtype=np.float32))
+        return ItemView(items.view, items.build, items.positions, np.asarray(ref_logps, dtype=np.float32),
+                        items.planned)
     return [Item(it.sequences, it.label, np.asarray(ref, dtype=np.float32), it.source)
             for it, ref in zip(items, ref_logps)]
 

@@ -14,9 +14,11 @@ set in memory:
     records.idx   int64  held out: its start in records.bin (-1 where none was kept) and its length
     records_len.bin
 
-An example is one sequence (kind "example": SFT) or several in a fixed role
+An example is one sequence (kind "example": SFT), several in a fixed role
 order (kind "pair": a preference pair, chosen then rejected, stored one after
-the other); lengths and targets are per sequence, the other arrays per example.
+the other), or one with a label (kind "labeled": KTO's bool, a reward score;
+`labels.bin`, float64, one per example); lengths and targets are per
+sequence, the other arrays per example.
 
 A `StoreView` is a sequence of Examples (or PairExamples) picked by an index array: the
 training set, the held-out set, a weighted mix. Building one example costs
@@ -33,13 +35,18 @@ from pathlib import Path
 
 import numpy as np
 
-from .examples import Example, PairExample
+from .examples import Example, LabeledExample, PairExample
 
 ARRAYS = {"tokens": np.int32, "mask": np.bool_, "lengths": np.int32, "targets": np.int32,
           "lines": np.int64, "dataset": np.int32, "records_idx": np.int64, "records_len": np.int64}
 PER_TOKEN = ("tokens", "mask")
 PER_SEQUENCE = ("lengths", "targets")
-KINDS = {"example": 1, "pair": 2}      # sequences per example
+KINDS = {"example": 1, "pair": 2, "labeled": 1}      # sequences per example
+LABELS = {"labels": np.float64}        # a labeled store's extra array (float64: a reward score reads back exact)
+
+
+def arrays_of(kind: str) -> dict:
+    return {**ARRAYS, **LABELS} if kind == "labeled" else ARRAYS
 
 
 def _file(name: str) -> str:
@@ -51,9 +58,10 @@ class StoreWriter:
 
     def __init__(self, folder: Path, kind: str = "example"):
         self.folder, self.kind, self.roles = Path(folder), kind, KINDS[kind]
+        self.dtypes = arrays_of(kind)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._files = {name: open(self.folder / _file(name), "wb") for name in ARRAYS}
-        self._hashes = {name: hashlib.sha256() for name in ARRAYS}
+        self._files = {name: open(self.folder / _file(name), "wb") for name in self.dtypes}
+        self._hashes = {name: hashlib.sha256() for name in self.dtypes}
         self._records = open(self.folder / "records.bin", "wb")
         self._records_at = 0
         self.names: list[str] = []
@@ -67,7 +75,7 @@ class StoreWriter:
         return len(self.names) - 1
 
     def _put(self, name: str, values) -> None:
-        data = np.ascontiguousarray(values, dtype=ARRAYS[name]).tobytes()
+        data = np.ascontiguousarray(values, dtype=self.dtypes[name]).tobytes()
         self._files[name].write(data)
         self._hashes[name].update(data)
 
@@ -80,6 +88,8 @@ class StoreWriter:
         for name in ("tokens", "mask", "lengths", "targets"):
             self._put(name, packed[name])
         self._put("lines", lines)
+        if "labels" in self.dtypes:
+            self._put("labels", packed["labels"])
         self._put("dataset", np.full(count, dataset))
         starts, sizes = np.full(count, -1, dtype=np.int64), np.zeros(count, dtype=np.int64)
         for i, text in enumerate(records or ()):
@@ -106,6 +116,8 @@ class StoreWriter:
 def pack(examples: list[Example]) -> dict[str, np.ndarray]:
     """Examples as the store's flat arrays: a few arrays cross from a worker to the writer, not an object each.
     A pair's sequences go in role order (chosen, rejected)."""
+    labels = {"labels": np.asarray([float(e.label) for e in examples], dtype=np.float64)} if (
+        examples and isinstance(examples[0], LabeledExample)) else {}
     if examples and not isinstance(examples[0], Example):
         examples = [s for e in examples for s in e.sequences()]
     if not examples:
@@ -113,7 +125,7 @@ def pack(examples: list[Example]) -> dict[str, np.ndarray]:
     return {"tokens": np.concatenate([e.input_ids for e in examples]).astype(np.int32, copy=False),
             "mask": np.concatenate([e.loss_mask for e in examples]).astype(np.bool_, copy=False),
             "lengths": np.asarray([len(e) for e in examples], dtype=np.int32),
-            "targets": np.asarray([int(e.loss_mask[1:].sum()) for e in examples], dtype=np.int32)}
+            "targets": np.asarray([int(e.loss_mask[1:].sum()) for e in examples], dtype=np.int32), **labels}
 
 
 class TokenStore:
@@ -125,9 +137,9 @@ class TokenStore:
         self.kind = meta.get("kind", "example")
         self.roles = KINDS[self.kind]
         sizes = {name: meta["tokens"] if name in PER_TOKEN else meta["count"] * (self.roles if name in PER_SEQUENCE
-                 else 1) for name in ARRAYS}
+                 else 1) for name in arrays_of(self.kind)}
         self.arrays: dict[str, np.ndarray] = {}
-        for name, dtype in ARRAYS.items():
+        for name, dtype in arrays_of(self.kind).items():
             path = self.folder / _file(name)
             expected = sizes[name] * np.dtype(dtype).itemsize
             if path.stat().st_size != expected:    # a cut file would silently shorten sequences
@@ -152,7 +164,9 @@ class TokenStore:
         values = np.asarray(self.arrays[name])
         return values if self.roles == 1 else reduce.reduce(values.reshape(-1, self.roles), axis=1)
 
-    def example(self, k: int) -> Example | PairExample:
+    def example(self, k: int) -> Example | PairExample | LabeledExample:
+        if self.kind == "labeled":
+            return LabeledExample(self.sequence(k, self.source(k)), float(self.arrays["labels"][k]), self.source(k))
         if self.roles == 1:
             return self.sequence(k, self.source(k))
         source = self.source(k)

@@ -1,5 +1,6 @@
-"""Preference pairs in the memory-mapped token store (kind "pair"): the same tokens, masks, splits, weights,
-screening and reports as the in-memory lists (`prepare.tokenize_all`) gave, streamed files included."""
+"""Preference pairs (kind "pair"), KTO and reward examples (kind "labeled") in the memory-mapped token store: the
+same tokens, masks, labels, splits, weights, screening, items and reports as the in-memory lists
+(`prepare.tokenize_all`) gave, streamed files included."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 from mudpuppy.data import BUILTIN_TEMPLATES, Batcher, load_data, prepare_data
 from mudpuppy.data import pipeline, prepare
-from mudpuppy.data.pairs import ItemView, collate_items, drop_screened, pair_items, screen_records, with_reference
+from mudpuppy.data.pairs import ItemView, collate_items, drop_screened, kto_items, pair_items, scored_items, \
+    screen_records, with_reference
 from mudpuppy.data.prepare import tokenize_all
 from mudpuppy.data.store import StoreView
 from mudpuppy.data.templates import apply_chat_template_choice
@@ -36,10 +38,13 @@ def in_memory(cfg, tok, method="dpo"):
 
 
 def same_pairs(old, new) -> None:
+    """Pairs, or labeled examples (KTO, reward): sequences, sources, labels, lengths, records and report."""
     assert isinstance(new.train, StoreView) and isinstance(old.train, list)
     assert (len(old.train), len(old.val)) == (len(new.train), len(new.val))
     for a, b in zip([*old.train, *old.val], [*new.train, *new.val]):
-        assert a.source == b.source
+        assert a.source == b.source and type(a) is type(b)
+        assert getattr(a, "label", None) == getattr(b, "label", None) and float(getattr(a, "label", 0)) == float(
+            getattr(b, "label", 0))
         for x, y in zip(a.sequences(), b.sequences()):
             assert x.source == y.source and x.input_ids.dtype == y.input_ids.dtype, a.source
             assert np.array_equal(x.input_ids, y.input_ids) and np.array_equal(x.loss_mask, y.loss_mask), a.source
@@ -153,3 +158,42 @@ def test_two_ranks_map_the_one_pair_store_rank_0_wrote(make_cfg, tokenizer_dir, 
     assert list((tmp_path / "cache" / ".scratch").iterdir()) == []           # removed once both mapped
     for a, b in zip(zero.train, one.train):
         assert a.source == b.source and np.array_equal(a.chosen.input_ids, b.chosen.input_ids)
+
+
+LABELED = {"kto": ["sample_kto.jsonl", "smart_home_kto_train.jsonl", "smart_home_kto_val.jsonl"],
+           "rm": ["sample_reward.jsonl", "smart_home_reward_train.jsonl", "smart_home_reward_val.jsonl"]}
+
+
+@pytest.mark.parametrize("template", [None, *BUILTIN_TEMPLATES])
+@pytest.mark.parametrize("method", ["kto", "rm"])
+def test_kto_and_reward_examples_in_the_store_are_the_lists_and_so_are_their_items(make_cfg, tokenizer_dir, write,
+                                                                                  template, method, monkeypatch):
+    """KTO records (a file over KEEP, so streamed) and {text, label} reward records: the lists' examples and
+    labels; KTO's items (each with the previous example's completion) and reward items the lists' too."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(pipeline, "CHUNK", 7)
+    rows = [json.loads(line) for name in LABELED[method] for line in (SAMPLES / name).read_text().splitlines()]
+    rows[1]["label"] = 0.1 if method == "rm" else rows[1]["label"]         # a score float32 would not keep
+    specs = [{"path": str(write("data.jsonl", rows * (2 if method == "kto" else 1)))}]
+    cfg = make_cfg(specs, chat_template=template, sequence_len=72, val_set_size=25, num_proc=2)
+    loaded = load_data(cfg, method)
+    assert (loaded.train[0].stream is not None) == (method == "kto")
+    try:
+        old = in_memory(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), method)[1]
+    except DataError as exc:          # a long template leaves no room for the answer: the same message
+        with pytest.raises(DataError) as new_error:
+            prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method=method, use_cache=False)
+        assert str(new_error.value) == str(exc)
+        return
+    new = prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method=method, use_cache=False)
+    assert new.train.store.kind == "labeled" and (new.report.truncated > 0 or method == "rm")
+    same_pairs(old, new)
+    make = (lambda xs: kto_items(xs, 60)) if method == "kto" else scored_items
+    for split in ("train", "val"):
+        a, b = make(getattr(old, split)), make(getattr(new, split))
+        assert isinstance(b, ItemView) and np.array_equal(b.lengths, [len(it) for it in a])
+        for x, y in zip([*a, *a[3:9]], [*b, *b[3:9]]):
+            assert (x.label, x.source, len(x.sequences)) == (y.label, y.source, len(y.sequences))
+            for s, t in zip(x.sequences, y.sequences):
+                assert np.array_equal(s.input_ids, t.input_ids) and np.array_equal(s.loss_mask, t.loss_mask)

@@ -21,19 +21,23 @@ from .test_preference_runs import metrics, preference_config, quiet
 from .test_resume import cli
 
 
-def big_pairs(tmp_path, copies=3):
-    """Over stream.KEEP records, so dpo scans the file and reads it again; an identical pair among them."""
-    rows = [json.loads(line) for line in (QUICKSTART_DATA / "smart_home_pref_train.jsonl").read_text().splitlines()]
+BAD = {"pref": {"prompt": "p", "chosen": "same", "rejected": "same"},
+       "kto": {"prompt": "p", "completion": " ", "label": True}, "reward": None}
+
+
+def big_pairs(tmp_path, copies=3, data="pref"):
+    """Over stream.KEEP records, so dpo (and kto) scan the file and read it again; a bad record among them."""
+    rows = [json.loads(line) for line in (QUICKSTART_DATA / f"smart_home_{data}_train.jsonl").read_text().splitlines()]
     rows = rows * copies
-    rows[5] = {"prompt": "p", "chosen": "same", "rejected": "same"}
-    path = tmp_path / "pairs.jsonl"
+    rows[5] = BAD[data] or rows[5]
+    path = tmp_path / f"{data}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def pair_config(tiny_model_dir, tmp_path, name, kind="dpo", **pref):
-    cfg = preference_config(tiny_model_dir, tmp_path / name, kind, **pref)
-    cfg["data"]["datasets"] = [{"path": str(big_pairs(tmp_path))}]
+def pair_config(tiny_model_dir, tmp_path, name, kind="dpo", data="pref", **pref):
+    cfg = preference_config(tiny_model_dir, tmp_path / name, kind, f"smart_home_{data}", **pref)
+    cfg["data"]["datasets"] = [{"path": str(big_pairs(tmp_path, data=data))}]
     cfg["data"]["val_set_size"] = 6
     cfg["data"]["num_proc"] = 2
     cfg["training"].update(max_steps=4, micro_batch_size=2)
@@ -65,14 +69,18 @@ def run_both(cfg, monkeypatch):
     return outs
 
 
-@pytest.mark.parametrize("kind, pref", [("dpo", {"precompute_ref": True}), ("dpo", {}), ("rm", {})])
-def test_losses_from_the_store_are_the_lists_losses_bit_for_bit(tiny_model_dir, tmp_path, monkeypatch, kind, pref):
+@pytest.mark.parametrize("kind, data, pref", [("dpo", "pref", {"precompute_ref": True}), ("dpo", "pref", {}),
+                                              ("rm", "pref", {}), ("kto", "kto", {"precompute_ref": True}),
+                                              ("rm", "reward", {})])
+def test_losses_from_the_store_are_the_lists_losses_bit_for_bit(tiny_model_dir, tmp_path, monkeypatch, kind, data,
+                                                                pref):
     (old_losses, old_rows, old_sum), (new_losses, new_rows, new_sum) = run_both(
-        pair_config(tiny_model_dir, tmp_path, kind, kind, **pref), monkeypatch)
+        pair_config(tiny_model_dir, tmp_path, kind, kind, data, **pref), monkeypatch)
     assert len(new_losses) == 4 and new_losses == old_losses
     assert [r["loss"] for r in new_rows] == [r["loss"] for r in old_rows]
     assert new_rows[0].keys() == old_rows[0].keys()
-    assert new_sum["dropped"] == old_sum["dropped"] == {"chosen and rejected are identical": 1}
+    dropped = {"pref": {"chosen and rejected are identical": 1}, "kto": {"empty completion": 1}, "reward": {}}
+    assert new_sum["dropped"] == old_sum["dropped"] == dropped[data]
     assert new_sum["eval_after"] == old_sum["eval_after"]
 
 
