@@ -124,18 +124,32 @@ class TorchForward:
             total = total + logprobs.aux_term(self, base, record, batch) * targets.numel()
         return total, int(targets.numel())
 
+    def scoring_kernels(self, handle: TorchModel, batch, grad: bool):
+        """Under autocast, a pass without gradient (a reference, GRPO's old policy) runs the attention kernel
+        the training step runs on the same micro-batch (step_kernels), so that the policy and its reference
+        are the same numbers while their weights are: SDPA's own choice on a CPU and the math kernel round
+        differently, in bf16 by up to 0.5 nats on a completion's summed log-prob (online DPO's step-1 loss
+        was 0.6919, not ln 2). In fp32 they agree to about 1e-6 and SDPA keeps its choice (the oracle tests
+        compare that pass with TRL's). A pass with gradient runs inside the trainer's step_kernels."""
+        if grad or handle.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return self.step_kernels(handle, batch)
+
     @gathered
     def sequence_logprobs(self, handle: TorchModel, batch, grad: bool = True, router_aux: bool = False):
-        return logprobs.sequence_logprobs(self, handle, batch, grad, router_aux)
+        with self.scoring_kernels(handle, batch, grad):
+            return logprobs.sequence_logprobs(self, handle, batch, grad, router_aux)
 
     @gathered
     def reference_logprobs(self, handle: TorchModel, batch) -> torch.Tensor:
-        return logprobs.reference_logprobs(self, handle, batch)
+        with self.scoring_kernels(handle, batch, False):
+            return logprobs.reference_logprobs(self, handle, batch)
 
     @gathered
     def token_logprobs(self, handle: TorchModel, batch, grad: bool = True, temperature: float = 1.0,
                        reference: bool = False, entropy: bool = False, router_aux: bool = False):
-        return logprobs.token_logprobs(self, handle, batch, grad, temperature, reference, entropy, router_aux)
+        with self.scoring_kernels(handle, batch, grad and not reference):
+            return logprobs.token_logprobs(self, handle, batch, grad, temperature, reference, entropy, router_aux)
 
     @gathered
     def token_divergence(self, handle: TorchModel, teacher: TorchModel, batch, divergence, grad: bool = True,
