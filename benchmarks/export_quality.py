@@ -104,7 +104,10 @@ def measure(run: Path, work: Path, eval_tokens: int, prompts: int, kinds: list[s
         else:
             started = time.monotonic()
             imatrix = collect_from_run(src, tokenizer, merged_dir, backend, work / "imatrix.gguf", print)
-            print(f"importance matrix collected ({time.monotonic() - started:.0f} s)", flush=True)
+            result["imatrix_seconds"] = round(time.monotonic() - started, 1)
+            result["imatrix_load_average"] = [round(x, 2) for x in os.getloadavg()]
+            print(f"importance matrix collected ({result['imatrix_seconds']:.0f} s, load {result['imatrix_load_average']})",
+                  flush=True)
     name = model_name(src.base, src.finetune, src.name)
     for label in kinds:
         quant, with_matrix = next((q, m) for lab, q, m in TYPES if lab == label)
@@ -122,7 +125,8 @@ def measure(run: Path, work: Path, eval_tokens: int, prompts: int, kinds: list[s
                "tensor_types": written["tensor_types"], "write_seconds": round(seconds, 1),
                "perplexity": got["perplexity"], "answers": got["answers"],
                "same_answers": sum(a == b for a, b in zip(got["answers"], merged_answers)),
-               "exact_match": hits(got["answers"])}
+               "exact_match": hits(got["answers"]), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "load_average": [round(x, 2) for x in os.getloadavg()]}
         if theirs is not None:
             row["llama_cpp_perplexity"] = theirs["perplexity"]
         save(row)

