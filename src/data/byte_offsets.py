@@ -10,7 +10,8 @@ an added token, its content's UTF-8 bytes). So `encode_batch_fast` (the same ids
 table of each id's byte length give the byte offsets, which are the character offsets of an ASCII text.
 
 Where that is not certain it is not used: a tokenizer outside that description, a text that is not
-ASCII, or a text whose tokens' lengths do not add up to its own length gets the Rust offsets; and the
+ASCII (encoded by `encode_batch` alone, not twice), or a text whose tokens' lengths do not add up to its
+own length gets the Rust offsets; and the
 first batch a process encodes this way is also encoded the usual way and compared, offsets and ids,
 so a tokenizer this reasoning misjudges falls back for good.
 """
@@ -90,12 +91,17 @@ def _table(backend) -> np.ndarray:
 
 
 def fast_flat(tokenizer, backend, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """`tokenize.encode_flat`'s (ids, offsets, bounds) for texts encoded without special tokens, with offsets
-    from `byte_lengths` where they are certain (the Rust offsets elsewhere); None: not this tokenizer."""
+    """`tokenize.encode_flat`'s (ids, offsets, bounds) for texts encoded without special tokens: ASCII texts
+    through `encode_batch_fast` with offsets from `byte_lengths`, the others through `encode_batch` with the
+    Rust offsets (each text is encoded once); None: not this tokenizer, or no ASCII text in the batch."""
     table = byte_lengths(tokenizer, backend)
-    if table is None:
+    plain = [t.isascii() for t in texts]
+    if table is None or not any(plain):
         return None
-    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+    others = [t for t, p in zip(texts, plain) if not p]
+    fast = iter(backend.encode_batch_fast([t for t, p in zip(texts, plain) if p], add_special_tokens=False))
+    full = iter(backend.encode_batch(others, add_special_tokens=False) if others else ())
+    encodings = [next(fast) if p else next(full) for p in plain]
     bounds = np.zeros(len(encodings) + 1, dtype=np.int64)
     np.cumsum([len(e) for e in encodings], out=bounds[1:])
     total = int(bounds[-1])
@@ -109,13 +115,14 @@ def fast_flat(tokenizer, backend, texts: list[str]) -> tuple[np.ndarray, np.ndar
     offsets = np.stack([ends - lengths, ends], axis=1)
     last = np.where(bounds[1:] > bounds[:-1], ends[np.maximum(bounds[1:] - 1, 0)], 0) if total else \
         np.zeros(len(texts), dtype=np.int64)
-    doubtful = [j for j, t in enumerate(texts) if not t.isascii() or last[j] != len(t)]
-    if doubtful:
-        exact = backend.encode_batch([texts[j] for j in doubtful], add_special_tokens=False)
-        for j, e in zip(doubtful, exact):
-            if len(e) != bounds[j + 1] - bounds[j]:       # not the same tokens: never seen; trust neither
-                return None
-            offsets[bounds[j]:bounds[j + 1]] = np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)
+    wrong = [j for j, t in enumerate(texts) if plain[j] and last[j] != len(t)]   # lengths that do not add up
+    exact = dict(zip(wrong, backend.encode_batch([texts[j] for j in wrong], add_special_tokens=False))) \
+        if wrong else {}
+    for j in [j for j, p in enumerate(plain) if not p] + wrong:
+        e = exact.get(j, encodings[j])
+        if len(e) != bounds[j + 1] - bounds[j]:       # not the same tokens: never seen; trust neither
+            return None
+        offsets[bounds[j]:bounds[j + 1]] = np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)
     if not _checked(tokenizer, backend, texts, ids, offsets, bounds):
         return None
     return ids, offsets, bounds

@@ -35,6 +35,29 @@ def test_the_same_ids_and_offsets_as_the_rust_tokenizer_ascii_or_not(tok):
         assert np.array_equal(offsets[bounds[j]:bounds[j + 1]], want_offsets[j]), texts[j]
 
 
+def test_each_text_is_encoded_once_and_a_batch_without_ascii_text_is_left_to_the_usual_path(tok):
+    fast_flat(tok, tok._tokenizer, texts_of(tok))                 # past the first batch's comparison
+    seen = {"encode_batch": [], "encode_batch_fast": []}
+
+    class Spy:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def __getattr__(self, name):
+            method = getattr(self.backend, name)
+            if name in seen:
+                return lambda texts, **kw: seen[name].extend(texts) or method(texts, **kw)
+            return method
+
+    spy = Spy(tok._tokenizer)
+    texts = ["plain text", "caf\u00e9 au lait", "more plain text"]
+    ids, offsets, bounds = fast_flat(tok, spy, texts)
+    assert seen == {"encode_batch_fast": ["plain text", "more plain text"], "encode_batch": ["caf\u00e9 au lait"]}
+    want_ids, want_offsets = rust(tok._tokenizer, texts)
+    assert ids.tolist() == sum(want_ids, []) and np.array_equal(offsets, np.concatenate(want_offsets))
+    assert fast_flat(tok, spy, ["caf\u00e9", "\u00fcber"]) is None
+
+
 def test_a_later_batch_reads_the_table_alone(tok, monkeypatch):
     texts = texts_of(tok)
     fast_flat(tok, tok._tokenizer, texts)                         # the first batch is checked against Rust
