@@ -6,8 +6,8 @@ data settings that change tokens or masks. Anything else (packing, batch
 sizes, shuffling) is applied after loading, so changing it keeps the cache.
 An entry is a directory written to a temporary name and renamed, so a crash
 never leaves a half entry behind (and the next writer removes the crashed
-writer's folder: claims.py). SFT data, preference pairs, KTO and reward
-examples are a token store (``store.py``: flat arrays read by memory map,
+writer's folder: claims.py). SFT data, preference pairs, KTO, reward and
+PRM examples are a token store (``store.py``: flat arrays read by memory map,
 with the training and validation index arrays and ``meta.json``); other
 methods' examples are ``arrays.npz`` and ``meta.json``. An entry damaged later (a truncated file, a disk error, bytes
 that no longer match the checksums written with it) is never fatal: it is

@@ -8,8 +8,8 @@ The tokens and masks are those `prepare.tokenize_all` makes (a test compares
 them on every format and template in the test data); only where they live
 changes. Preference pairs (dpo, ipo, simpo, orpo, and rm on pairs) go to a store
 of kind "pair" the same way (`stored`), KTO and {text, label} reward data to one
-of kind "labeled"; PRM steps, RL prompts and vision-language data keep
-`tokenize_all`'s lists.
+of kind "labeled", PRM data to one of kind "steps"; RL prompts and
+vision-language data keep `tokenize_all`'s lists.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from .workers import available_cores, ordered_map
 BUILT = [0]
 SCRATCH = r"store-.*"   # an uncached store's folder under <cache_dir>/.scratch
 CHUNK = 512    # records per job: the tokenizer's batch size, and small enough to keep a worker's memory flat
-STREAMED = ("sft", "dpo", "ipo", "simpo", "orpo", "kto")   # methods whose files are scanned at load, then read again
-KIND_OF = {"preference": "pair", "kto": "labeled", "reward": "labeled"}   # store kinds of the other formats
+STREAMED = ("sft", "dpo", "ipo", "simpo", "orpo", "kto", "prm")   # methods whose files are scanned at load, then read again
+KIND_OF = {"preference": "pair", "kto": "labeled", "reward": "labeled", "prm": "steps"}   # store kinds of the other formats
 
 
 def stored(method: str, loaded: LoadedData) -> bool:
-    """Whether `method`'s data goes to a token store: SFT data, preference pairs, KTO and reward examples."""
+    """Whether `method`'s data goes to a token store: SFT data, preference pairs, KTO, reward and PRM examples."""
     return method == "sft" or store_kind(loaded) != "example"
 
 

@@ -16,9 +16,11 @@ set in memory:
 
 An example is one sequence (kind "example": SFT), several in a fixed role
 order (kind "pair": a preference pair, chosen then rejected, stored one after
-the other), or one with a label (kind "labeled": KTO's bool, a reward score;
-`labels.bin`, float64, one per example); lengths and targets are per
-sequence, the other arrays per example.
+the other), one with a label (kind "labeled": KTO's bool, a reward score;
+`labels.bin`, float64, one per example), or one with its PRM step labels (kind
+"steps": `step_labels.bin`, bool, end to end, and `step_counts.bin`, int32,
+one count per example); lengths and targets are per sequence, the other
+arrays per example.
 
 A `StoreView` is a sequence of Examples (or PairExamples) picked by an index array: the
 training set, the held-out set, a weighted mix. Building one example costs
@@ -35,18 +37,28 @@ from pathlib import Path
 
 import numpy as np
 
-from .examples import Example, LabeledExample, PairExample
+from .examples import Example, LabeledExample, PairExample, StepExample
 
 ARRAYS = {"tokens": np.int32, "mask": np.bool_, "lengths": np.int32, "targets": np.int32,
           "lines": np.int64, "dataset": np.int32, "records_idx": np.int64, "records_len": np.int64}
 PER_TOKEN = ("tokens", "mask")
 PER_SEQUENCE = ("lengths", "targets")
-KINDS = {"example": 1, "pair": 2, "labeled": 1}      # sequences per example
-LABELS = {"labels": np.float64}        # a labeled store's extra array (float64: a reward score reads back exact)
+KINDS = {"example": 1, "pair": 2, "labeled": 1, "steps": 1}      # sequences per example
+# Each kind's extra arrays (float64 labels: a reward score reads back exact), and how `pack` fills them.
+EXTRAS = {"labeled": {"labels": np.float64}, "steps": {"step_labels": np.bool_, "step_counts": np.int32}}
 
 
 def arrays_of(kind: str) -> dict:
-    return {**ARRAYS, **LABELS} if kind == "labeled" else ARRAYS
+    return {**ARRAYS, **EXTRAS.get(kind, {})}
+
+
+def extras_of(examples: list) -> dict[str, np.ndarray]:
+    if isinstance(examples[0], LabeledExample):
+        return {"labels": np.asarray([float(e.label) for e in examples], dtype=np.float64)}
+    if isinstance(examples[0], StepExample):
+        return {"step_labels": np.concatenate([e.step_labels for e in examples]).astype(np.bool_),
+                "step_counts": np.asarray([len(e.step_labels) for e in examples], dtype=np.int32)}
+    return {}
 
 
 def _file(name: str) -> str:
@@ -58,7 +70,7 @@ class StoreWriter:
 
     def __init__(self, folder: Path, kind: str = "example"):
         self.folder, self.kind, self.roles = Path(folder), kind, KINDS[kind]
-        self.dtypes = arrays_of(kind)
+        self.dtypes, self.extra_sizes = arrays_of(kind), {}
         self.folder.mkdir(parents=True, exist_ok=True)
         self._files = {name: open(self.folder / _file(name), "wb") for name in self.dtypes}
         self._hashes = {name: hashlib.sha256() for name in self.dtypes}
@@ -88,8 +100,9 @@ class StoreWriter:
         for name in ("tokens", "mask", "lengths", "targets"):
             self._put(name, packed[name])
         self._put("lines", lines)
-        if "labels" in self.dtypes:
-            self._put("labels", packed["labels"])
+        for name in EXTRAS.get(self.kind, ()):
+            self._put(name, packed[name])
+            self.extra_sizes[name] = self.extra_sizes.get(name, 0) + len(packed[name])
         self._put("dataset", np.full(count, dataset))
         starts, sizes = np.full(count, -1, dtype=np.int64), np.zeros(count, dtype=np.int64)
         for i, text in enumerate(records or ()):
@@ -105,8 +118,8 @@ class StoreWriter:
     def close(self) -> dict:
         for f in (*self._files.values(), self._records):
             f.close()
-        return {"kind": self.kind, "names": self.names, "by_row": self.by_row, "count": self.count, "tokens": self.tokens,
-                "records_bytes": self._records_at, "sha256": {k: h.hexdigest() for k, h in self._hashes.items()}}
+        return {"kind": self.kind, "extra_sizes": self.extra_sizes, "names": self.names, "by_row": self.by_row,
+                "count": self.count, "tokens": self.tokens, "records_bytes": self._records_at, "sha256": {k: h.hexdigest() for k, h in self._hashes.items()}}
 
     def abort(self) -> None:
         for f in (*self._files.values(), self._records):
@@ -116,8 +129,7 @@ class StoreWriter:
 def pack(examples: list[Example]) -> dict[str, np.ndarray]:
     """Examples as the store's flat arrays: a few arrays cross from a worker to the writer, not an object each.
     A pair's sequences go in role order (chosen, rejected)."""
-    labels = {"labels": np.asarray([float(e.label) for e in examples], dtype=np.float64)} if (
-        examples and isinstance(examples[0], LabeledExample)) else {}
+    extras = extras_of(examples) if examples else {}
     if examples and not isinstance(examples[0], Example):
         examples = [s for e in examples for s in e.sequences()]
     if not examples:
@@ -125,7 +137,7 @@ def pack(examples: list[Example]) -> dict[str, np.ndarray]:
     return {"tokens": np.concatenate([e.input_ids for e in examples]).astype(np.int32, copy=False),
             "mask": np.concatenate([e.loss_mask for e in examples]).astype(np.bool_, copy=False),
             "lengths": np.asarray([len(e) for e in examples], dtype=np.int32),
-            "targets": np.asarray([int(e.loss_mask[1:].sum()) for e in examples], dtype=np.int32), **labels}
+            "targets": np.asarray([int(e.loss_mask[1:].sum()) for e in examples], dtype=np.int32), **extras}
 
 
 class TokenStore:
@@ -138,6 +150,7 @@ class TokenStore:
         self.roles = KINDS[self.kind]
         sizes = {name: meta["tokens"] if name in PER_TOKEN else meta["count"] * (self.roles if name in PER_SEQUENCE
                  else 1) for name in arrays_of(self.kind)}
+        sizes.update(meta.get("extra_sizes", {}))
         self.arrays: dict[str, np.ndarray] = {}
         for name, dtype in arrays_of(self.kind).items():
             path = self.folder / _file(name)
@@ -152,6 +165,8 @@ class TokenStore:
         # An example's length is its longest sequence's (PairExample's len), what batches are planned with.
         self.lengths = self.per_example("lengths", np.maximum)
         self.offsets = np.concatenate([[0], np.cumsum(self.arrays["lengths"], dtype=np.int64)])
+        if self.kind == "steps":
+            self.step_offsets = np.concatenate([[0], np.cumsum(self.arrays["step_counts"], dtype=np.int64)])
         if self.offsets[-1] != sizes["tokens"]:
             raise ValueError("lengths.bin does not add up to tokens.bin")
         self._records = self.folder / "records.bin"
@@ -165,6 +180,10 @@ class TokenStore:
         return values if self.roles == 1 else reduce.reduce(values.reshape(-1, self.roles), axis=1)
 
     def example(self, k: int) -> Example | PairExample | LabeledExample:
+        if self.kind == "steps":
+            a, b = self.step_offsets[k], self.step_offsets[k + 1]
+            step_labels = np.asarray(self.arrays["step_labels"][a:b])
+            return StepExample(self.sequence(k, self.source(k)), step_labels, self.source(k))
         if self.kind == "labeled":
             return LabeledExample(self.sequence(k, self.source(k)), float(self.arrays["labels"][k]), self.source(k))
         if self.roles == 1:

@@ -37,6 +37,24 @@ def in_memory(cfg, tok, method="dpo"):
     return loaded, tokenize_all(cfg, tok, loaded, template is not None)
 
 
+def both_paths(cfg, tokenizer_dir, method: str):
+    """(lists, store) for `method`, each with a fresh tokenizer; None where both refuse the data with the same
+    message (a long template that leaves no room for the answer)."""
+    from transformers import AutoTokenizer
+
+    loaded = load_data(cfg, method)
+    assert loaded.train[0].stream is None or method in ("dpo", "kto", "prm")
+    try:
+        old = in_memory(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), method)[1]
+    except DataError as exc:
+        with pytest.raises(DataError) as new_error:
+            prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method=method, use_cache=False)
+        assert str(new_error.value) == str(exc)
+        return None
+    return old, prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method=method,
+                             use_cache=False)
+
+
 def same_pairs(old, new) -> None:
     """Pairs, or labeled examples (KTO, reward): sequences, sources, labels, lengths, records and report."""
     assert isinstance(new.train, StoreView) and isinstance(old.train, list)
@@ -45,6 +63,8 @@ def same_pairs(old, new) -> None:
         assert a.source == b.source and type(a) is type(b)
         assert getattr(a, "label", None) == getattr(b, "label", None) and float(getattr(a, "label", 0)) == float(
             getattr(b, "label", 0))
+        if hasattr(a, "step_labels"):
+            assert a.step_labels.dtype == b.step_labels.dtype and np.array_equal(a.step_labels, b.step_labels)
         for x, y in zip(a.sequences(), b.sequences()):
             assert x.source == y.source and x.input_ids.dtype == y.input_ids.dtype, a.source
             assert np.array_equal(x.input_ids, y.input_ids) and np.array_equal(x.loss_mask, y.loss_mask), a.source
@@ -67,22 +87,13 @@ def big_file(write, copies=4):
 @pytest.mark.parametrize("options", range(len(OPTIONS)))
 def test_the_pair_store_holds_exactly_the_tokens_and_masks_of_the_lists(make_cfg, tokenizer_dir, template, options,
                                                                         monkeypatch):
-    from transformers import AutoTokenizer
-
     monkeypatch.setattr(pipeline, "CHUNK", 7)          # several chunks per file
-    specs = [{"path": str(SAMPLES / name), **OPTIONS[options]} for name in PAIR_FILES]
-    cfg = make_cfg(specs, chat_template=template, sequence_len=70, val_set_size=30, num_proc=1)
-    loaded = load_data(cfg, "dpo")
-    try:
-        old = in_memory(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)))[1]
-    except DataError as exc:
-        with pytest.raises(DataError) as new_error:
-            prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method="dpo", use_cache=False)
-        assert str(new_error.value) == str(exc)
-        return
-    new = prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method="dpo", use_cache=False)
-    assert old.report.truncated > 0
-    same_pairs(old, new)
+    cfg = make_cfg([{"path": str(SAMPLES / name), **OPTIONS[options]} for name in PAIR_FILES],
+                   chat_template=template, sequence_len=70, val_set_size=30, num_proc=1)
+    found = both_paths(cfg, tokenizer_dir, "dpo")
+    if found is not None:
+        assert found[0].report.truncated > 0
+        same_pairs(*found)
 
 
 @pytest.mark.parametrize("method", ["dpo", "rm"])
@@ -170,23 +181,16 @@ def test_kto_and_reward_examples_in_the_store_are_the_lists_and_so_are_their_ite
                                                                                   template, method, monkeypatch):
     """KTO records (a file over KEEP, so streamed) and {text, label} reward records: the lists' examples and
     labels; KTO's items (each with the previous example's completion) and reward items the lists' too."""
-    from transformers import AutoTokenizer
-
     monkeypatch.setattr(pipeline, "CHUNK", 7)
     rows = [json.loads(line) for name in LABELED[method] for line in (SAMPLES / name).read_text().splitlines()]
     rows[1]["label"] = 0.1 if method == "rm" else rows[1]["label"]         # a score float32 would not keep
     specs = [{"path": str(write("data.jsonl", rows * (2 if method == "kto" else 1)))}]
     cfg = make_cfg(specs, chat_template=template, sequence_len=72, val_set_size=25, num_proc=2)
-    loaded = load_data(cfg, method)
-    assert (loaded.train[0].stream is not None) == (method == "kto")
-    try:
-        old = in_memory(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), method)[1]
-    except DataError as exc:          # a long template leaves no room for the answer: the same message
-        with pytest.raises(DataError) as new_error:
-            prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method=method, use_cache=False)
-        assert str(new_error.value) == str(exc)
+    assert (load_data(cfg, method).train[0].stream is not None) == (method == "kto")
+    found = both_paths(cfg, tokenizer_dir, method)
+    if found is None:
         return
-    new = prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method=method, use_cache=False)
+    old, new = found
     assert new.train.store.kind == "labeled" and (new.report.truncated > 0 or method == "rm")
     same_pairs(old, new)
     make = (lambda xs: kto_items(xs, 60)) if method == "kto" else scored_items
@@ -197,3 +201,22 @@ def test_kto_and_reward_examples_in_the_store_are_the_lists_and_so_are_their_ite
             assert (x.label, x.source, len(x.sequences)) == (y.label, y.source, len(y.sequences))
             for s, t in zip(x.sequences, y.sequences):
                 assert np.array_equal(s.input_ids, t.input_ids) and np.array_equal(s.loss_mask, t.loss_mask)
+
+
+def test_prm_examples_in_the_store_are_the_lists_with_their_step_labels(make_cfg, tokenizer_dir, write, monkeypatch):
+    """PRM records (a file over KEEP, streamed; steps cut by truncation): the lists' examples, step labels and
+    batches."""
+    from mudpuppy.data.pairs import collate_steps
+
+    monkeypatch.setattr(pipeline, "CHUNK", 7)
+    rows = [json.loads(line) for name in ("sample_prm.jsonl", "arithmetic_prm_train.jsonl",
+                                          "arithmetic_prm_val.jsonl") for line in (SAMPLES / name).read_text().splitlines()]
+    cfg = make_cfg([{"path": str(write("prm.jsonl", rows * 4))}], sequence_len=30, val_set_size=40, num_proc=2)
+    old, new = both_paths(cfg, tokenizer_dir, "prm")
+    assert new.train.store.kind == "steps" and new.report.truncated > 0
+    same_pairs(old, new)
+    a = Batcher(old.train, 4, 0, seed=2, collate_fn=collate_steps)
+    b = Batcher(new.train, 4, 0, seed=2, collate_fn=collate_steps)
+    for _ in range(a.batches_per_epoch + 1):
+        x, y = a.next_batch(), b.next_batch()
+        assert np.array_equal(x.batch.labels, y.batch.labels) and np.array_equal(x.labels, y.labels)

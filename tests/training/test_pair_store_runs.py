@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,13 +23,14 @@ from .test_resume import cli
 
 
 BAD = {"pref": {"prompt": "p", "chosen": "same", "rejected": "same"},
-       "kto": {"prompt": "p", "completion": " ", "label": True}, "reward": None}
+       "kto": {"prompt": "p", "completion": " ", "label": True}, "reward": None, "prm": None}
+FILES = {"pref": "smart_home_pref", "kto": "smart_home_kto", "reward": "smart_home_reward", "prm": "arithmetic_prm"}
 
 
 def big_pairs(tmp_path, copies=3, data="pref"):
     """Over stream.KEEP records, so dpo (and kto) scan the file and read it again; a bad record among them."""
-    rows = [json.loads(line) for line in (QUICKSTART_DATA / f"smart_home_{data}_train.jsonl").read_text().splitlines()]
-    rows = rows * copies
+    rows = [json.loads(line) for line in (QUICKSTART_DATA / f"{FILES[data]}_train.jsonl").read_text().splitlines()]
+    rows = rows * (copies if data != "prm" else 5)
     rows[5] = BAD[data] or rows[5]
     path = tmp_path / f"{data}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -36,13 +38,13 @@ def big_pairs(tmp_path, copies=3, data="pref"):
 
 
 def pair_config(tiny_model_dir, tmp_path, name, kind="dpo", data="pref", **pref):
-    cfg = preference_config(tiny_model_dir, tmp_path / name, kind, f"smart_home_{data}", **pref)
+    cfg = preference_config(tiny_model_dir, tmp_path / name, kind, FILES[data], **pref)
     cfg["data"]["datasets"] = [{"path": str(big_pairs(tmp_path, data=data))}]
     cfg["data"]["val_set_size"] = 6
     cfg["data"]["num_proc"] = 2
     cfg["training"].update(max_steps=4, micro_batch_size=2)
-    if kind == "rm":
-        cfg.update(method="rm", adapter={"type": "lora", "r": 4, "alpha": 8}, reward={"bad_pairs": "drop"})
+    if kind in ("rm", "prm"):
+        cfg.update(method=kind, adapter={"type": "lora", "r": 4, "alpha": 8}, reward={"bad_pairs": "drop"})
         del cfg["preference"]
     else:
         cfg["preference"]["bad_pairs"] = "drop"
@@ -71,7 +73,7 @@ def run_both(cfg, monkeypatch):
 
 @pytest.mark.parametrize("kind, data, pref", [("dpo", "pref", {"precompute_ref": True}), ("dpo", "pref", {}),
                                               ("rm", "pref", {}), ("kto", "kto", {"precompute_ref": True}),
-                                              ("rm", "reward", {})])
+                                              ("rm", "reward", {}), ("prm", "prm", {})])
 def test_losses_from_the_store_are_the_lists_losses_bit_for_bit(tiny_model_dir, tmp_path, monkeypatch, kind, data,
                                                                 pref):
     (old_losses, old_rows, old_sum), (new_losses, new_rows, new_sum) = run_both(
@@ -79,7 +81,8 @@ def test_losses_from_the_store_are_the_lists_losses_bit_for_bit(tiny_model_dir, 
     assert len(new_losses) == 4 and new_losses == old_losses
     assert [r["loss"] for r in new_rows] == [r["loss"] for r in old_rows]
     assert new_rows[0].keys() == old_rows[0].keys()
-    dropped = {"pref": {"chosen and rejected are identical": 1}, "kto": {"empty completion": 1}, "reward": {}}
+    dropped = {"pref": {"chosen and rejected are identical": 1}, "kto": {"empty completion": 1}, "reward": {},
+               "prm": {}}
     assert new_sum["dropped"] == old_sum["dropped"] == dropped[data]
     assert new_sum["eval_after"] == old_sum["eval_after"]
 
@@ -96,8 +99,6 @@ def test_a_killed_dpo_run_resumes_with_the_same_batches(tiny_model_dir, tmp_path
     assert cli(tmp_path / "straight.yaml").returncode == 0
     killed = cli(tmp_path / "broken.yaml", env=kill_after(k))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    from pathlib import Path
-
     straight, broken = Path(outs["straight"]), Path(outs["broken"])
     assert [c.name for c in checkpoints.list_checkpoints(broken)] == [f"step-{k:08d}"]
     resumed = cli(tmp_path / "broken.yaml", "--resume")
