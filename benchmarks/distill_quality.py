@@ -222,24 +222,28 @@ def print_table(results: dict, tags: list[str] | None = None) -> None:
             continue
         distilled = {c["seed"]: c for k, c in cells.items() if k.startswith(f"distill|{tag}|")}
         sft = {c["seed"]: c for k, c in cells.items() if k.startswith(f"sft|{','.join(sft_sets(sets))}|")}
-        seeds = sorted(distilled, key=lambda s: distilled[s]["date"] + str(s))
+        seeds = [s for s in (42, 11, 7) if s in distilled or s in sft]
+        seeds += sorted(s for s in {*distilled, *sft} if s not in seeds)
         print(f"\n== variant {tag} ({', '.join(sets) or 'configs/distill.yaml as it is'}) ==")
-        print(f"{'seed':>5s} | {'distilled EM':>12s} {'loss':>7s} {'sampled tok':>11s} {'train s':>7s} | "
+        print(f"{'seed':>5s} | {'distilled EM':>12s} {'loss':>7s} {'sampled/batch':>13s} {'train s':>7s} | "
               f"{'SFT EM':>6s} {'loss':>7s}")
         for seed in seeds:
-            d, s = distilled[seed], sft.get(seed)
-            tok = f"{d['sampled_tokens']:.1f}" if d.get("sampled_tokens") is not None else "-"
-            row = (f"{seed:>5d} | {100 * d['exact_match']:>11.1f}% {d['heldout_loss']:7.4f} {tok:>11s} "
-                   f"{d['train_seconds']:7.0f} | ")
+            d, s = distilled.get(seed), sft.get(seed)
+            if d:
+                tok = f"{d['sampled_tokens']:.1f}" if d.get("sampled_tokens") is not None else "-"
+                row = (f"{seed:>5d} | {100 * d['exact_match']:>11.1f}% {d['heldout_loss']:7.4f} {tok:>13s} "
+                       f"{d['train_seconds']:7.0f} | ")
+            else:
+                row = f"{seed:>5d} | {'-':>12s} {'-':>7s} {'-':>13s} {'-':>7s} | "
             row += f"{100 * s['exact_match']:>5.1f}% {s['heldout_loss']:7.4f}" if s else f"{'-':>6s}"
             print(row)
-        em = [distilled[s]["exact_match"] for s in seeds]
+        em = [distilled[s]["exact_match"] for s in seeds if s in distilled]
         print(f"  distilled n={len(em)}: exact match % mean ± std (min-max) {spread(em)}")
         sft_em = [sft[s]["exact_match"] for s in seeds if s in sft]
         if sft_em:
             print(f"  SFT       n={len(sft_em)}: exact match % mean ± std (min-max) {spread(sft_em)}")
         if teacher and em:
-            gap = 100 * (teacher["exact_match"] - statistics.fmean(em))
+            gap = round(100 * (teacher["exact_match"] - statistics.fmean(em)), 6)
             print(f"  teacher - distilled mean: {gap:+.1f} points; target (within {TARGET_POINTS:g}): "
                   f"{'met' if gap <= TARGET_POINTS else 'missed'}")
 
