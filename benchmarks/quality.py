@@ -348,6 +348,9 @@ def run_cell(args, task_name: str, side: str, precision: str, seed: int, native:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if args.threads:
         env["QUALITY_THREADS"] = str(args.threads)
+        # numpy's BLAS too (LoftQ's and MLX-side SVDs): two OpenBLAS threads on two busy cores took 22-44 s
+        # for one 1536x576 SVD instead of 0.7 s; LoftQ's start (210 of them) took about 18 min in a cell.
+        env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(args.threads)
     start = time.perf_counter()
     cmd = [sys.executable, __file__, "--worker", f"train-{side}", "--task-name", task_name, "--seed", str(seed),
            "--worker-precision", side_precision, "--worker-steps", str(steps), "--worker-dir", str(work),
