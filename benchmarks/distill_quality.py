@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -158,13 +159,13 @@ def run_cell(args, kind: str, seed: int, sets: list[str], base: str) -> dict:
         trained = teacher_cell(args)
     elif kind == "distill":
         out = args.work / f"distill-{args.tag}-{seed}"
-        sets = [f"distill.teacher={args.teacher_dir / 'merged'}", *sets]
-        same = [d for d in args.reuse if same_run(d, STUDENT_CONFIG, seed, sets)]
+        with_teacher = [f"distill.teacher={args.teacher_dir / 'merged'}", *sets]
+        same = [d for d in args.reuse if same_run(d, STUDENT_CONFIG, seed, with_teacher)]
         if same:
             print(f"   reusing {same[0]}: a finished run of these settings", flush=True)
             trained = {**read_run(same[0], None), "reused": True}
         else:
-            trained = train(STUDENT_CONFIG, out, seed, sets, args.threads)
+            trained = train(STUDENT_CONFIG, out, seed, with_teacher, args.threads)
     else:
         out = args.work / f"sft-{'_'.join(sets) or 'config'}-{seed}".replace("/", "_")
         trained = train(TEACHER_CONFIG, out, seed, ["merge=false", *sets], args.threads)
@@ -196,7 +197,7 @@ def record(out: Path, key: str | None = None, cell: dict | None = None, run: dic
     import fcntl
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".lock"), "w") as lock:
+    with open(Path(tempfile.gettempdir()) / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = load_results(out)
         if run is not None:
@@ -224,7 +225,8 @@ def print_table(results: dict, tags: list[str] | None = None) -> None:
         sft = {c["seed"]: c for k, c in cells.items() if k.startswith(f"sft|{','.join(sft_sets(sets))}|")}
         seeds = [s for s in (42, 11, 7) if s in distilled or s in sft]
         seeds += sorted(s for s in {*distilled, *sft} if s not in seeds)
-        print(f"\n== variant {tag} ({', '.join(sets) or 'configs/distill.yaml as it is'}) ==")
+        shown = [x for x in sets if not x.startswith("distill.teacher=")]
+        print(f"\n== variant {tag} ({', '.join(shown) or 'configs/distill.yaml as it is'}) ==")
         print(f"{'seed':>5s} | {'distilled EM':>12s} {'loss':>7s} {'sampled/batch':>13s} {'train s':>7s} | "
               f"{'SFT EM':>6s} {'loss':>7s}")
         for seed in seeds:
