@@ -95,7 +95,7 @@ def read_source(source: str | os.PathLike | dict, overrides) -> tuple[dict, str,
     else:
         origin = str(source)
         raw = _read_yaml(Path(source))
-        source_dir = str(Path(source).resolve().parent)
+        source_dir = _recorded_source_dir(raw) or str(Path(source).resolve().parent)
     issues: list[Issue] = []
     for item in overrides:
         try:
@@ -103,6 +103,19 @@ def read_source(source: str | os.PathLike | dict, overrides) -> tuple[dict, str,
         except ValueError as exc:
             issues.append(Issue(f"--set {item}", str(exc)))
     return raw, origin, source_dir, issues
+
+
+def _recorded_source_dir(raw) -> str | None:
+    """A run's config.yaml records the folder of the config the run started from (`source_dir`, written
+    by output_dir.claim.write_config): its relative data, template and function paths resolve there, as
+    they did for the run, not against the run directory. Taken while that folder exists (a run copied to
+    another machine falls back to its own folder); the key is the loader's, never a setting."""
+    if not isinstance(raw, dict):
+        return None
+    recorded = raw.pop("source_dir", None)
+    if isinstance(recorded, str) and os.path.isabs(recorded) and Path(recorded).is_dir():
+        return recorded
+    return None
 
 
 def _read_yaml(path: Path) -> dict:

@@ -151,7 +151,10 @@ def _names(names: list[str], shown: int = 8) -> str:
 
 def write_config(out: Path, cfg) -> None:
     rundir.record(out, [CONFIG])
-    (out / CONFIG).write_text(yaml.safe_dump(cfg.dump(), sort_keys=False), encoding="utf-8")
+    # source_dir first: the run's relative paths resolve against the folder its config came from when
+    # this copy is loaded again (export --imatrix auto, held-out scoring, eval), not against `out`
+    where = {"source_dir": cfg.source_dir} if getattr(cfg, "source_dir", None) else {}
+    (out / CONFIG).write_text(yaml.safe_dump({**where, **cfg.dump()}, sort_keys=False), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- what --overwrite refuses
