@@ -1,6 +1,7 @@
 """On-policy distillation against its teacher and against SFT on the same prompts' labels (issue 40, 4a).
 
-    python benchmarks/distill_quality.py --seeds 42,11,7 --threads 1
+    # configs/distill.yaml trains 2 epochs, distill-teacher.yaml 1: the SFT cells must be told the same
+    python benchmarks/distill_quality.py --seeds 42,11,7 --threads 1 --set training.epochs=2
     python benchmarks/distill_quality.py --table-only
     # a variant of the distillation settings, filed under its own tag (SFT cells follow its training.* keys):
     python benchmarks/distill_quality.py --tag fkl --set distill.loss=forward_kl --seeds 42,11,7
