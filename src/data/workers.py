@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import pickle
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -73,7 +74,11 @@ def scoped_env(name: str, value: str) -> Iterator[None]:
 
 
 def _pooled(fn: Callable, jobs: Iterable, tokenizer, num_proc: int) -> Iterator:
-    fork = "fork" in multiprocessing.get_all_start_methods() and sys.platform.startswith("linux")
+    # fork from the main thread only: a fork from another thread (ranks run as threads, an app's worker
+    # thread) copies locks other threads hold mid-operation, and in the full test suite such workers
+    # segfaulted as they started, re-forked by the Pool without end; spawn starts them clean
+    fork = ("fork" in multiprocessing.get_all_start_methods() and sys.platform.startswith("linux")
+            and threading.current_thread() is threading.main_thread())
     ctx = multiprocessing.get_context("fork" if fork else "spawn")
     if fork:
         _STATE["tokenizer"] = tokenizer

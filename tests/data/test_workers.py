@@ -55,3 +55,25 @@ def test_a_pool_that_fails_to_start_restores_the_variable(before, monkeypatch):
     with pytest.raises(OSError, match="no processes left"):
         list(workers.ordered_map(double, range(4), "t", 2))
     assert os.environ.get(NAME) == before
+
+
+def test_workers_started_from_another_thread_are_spawned_not_forked(monkeypatch):
+    # A fork from a thread copies locks other threads hold; in the full suite such workers segfaulted as
+    # they started and the Pool forked them again without end. From the main thread: fork (cheap, shared
+    # pages); from any other: spawn, with the same results in the same order.
+    import threading
+
+    methods = []
+    real = multiprocessing.get_context
+
+    def recording(method=None):
+        methods.append(method)
+        return real(method)
+
+    monkeypatch.setattr(workers.multiprocessing, "get_context", recording)
+    got = {}
+    thread = threading.Thread(target=lambda: got.setdefault("r", list(workers.ordered_map(double, range(6), "t", 2))))
+    thread.start()
+    thread.join()
+    assert got["r"] == [f"t{2 * i}" for i in range(6)] and methods == ["spawn"]
+    assert list(workers.ordered_map(double, range(3), "t", 2)) == ["t0", "t2", "t4"] and methods[-1] == "fork"
