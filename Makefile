@@ -70,10 +70,20 @@ test-gpu: install
 # mudpuppy exports: greedy answers per family and quant type, K-quant files byte for byte against
 # llama.cpp's quantizer, perplexity. llama-cpp-python has no Linux wheel on PyPI, so pip compiles
 # llama.cpp from its sdist: 33 min wall (8.6 min of CPU) on the loaded 2-core dev machine (docs/export.md#llamacpp-test-tier).
+# The wheel it builds is kept in READERS_WHEELS (outside the clone), so a later clone, a new venv or
+# `make clean` installs it in seconds instead of compiling again: pip's own wheel cache is keyed by the
+# download's URL and misses whenever the sdist came from elsewhere (a mirror, a local file).
 # Without llama_cpp importable afterwards it says so and fails, rather than pass having run nothing.
+READERS_WHEELS ?= $(HOME)/.cache/mudpuppy/wheels
+LLAMA_CPP_SPEC := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
+
 $(VENV)/.readers: pyproject.toml $(VENV)/.installed
-	@echo "make test-readers: installing llama-cpp-python (compiles llama.cpp: 33 min wall, 8.6 min CPU, on the loaded 2-core dev machine)"
-	$(PIP) install -q -e ".[readers]"
+	@mkdir -p $(READERS_WHEELS)
+	@ls $(READERS_WHEELS)/llama_cpp_python-$(subst llama-cpp-python==,,$(LLAMA_CPP_SPEC))-*.whl >/dev/null 2>&1 \
+		&& echo "make test-readers: $(LLAMA_CPP_SPEC) from the wheel built before, in $(READERS_WHEELS)" \
+		|| echo "make test-readers: building $(LLAMA_CPP_SPEC) into $(READERS_WHEELS) (compiles llama.cpp: 33 min wall, 8.6 min CPU, on the loaded 2-core dev machine; once per machine)"
+	$(PIP) wheel -q --no-deps --find-links $(READERS_WHEELS) -w $(READERS_WHEELS) "$(LLAMA_CPP_SPEC)"
+	$(PIP) install -q --find-links $(READERS_WHEELS) -e ".[readers]"
 	touch $@
 
 test-readers: $(VENV)/.readers
