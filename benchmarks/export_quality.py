@@ -29,7 +29,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TYPES = [("q4_k_m", "q4_k_m", False), ("q4_k_m + imatrix", "q4_k_m", True), ("q4_0", "q4_0", False),
-         ("q4_k_s", "q4_k_s", False), ("q5_k_m", "q5_k_m", False), ("q6_k", "q6_k", False), ("q8_0", "q8_0", False), ("f16", "f16", False)]
+         ("q4_k_s", "q4_k_s", False), ("q5_k_m", "q5_k_m", False), ("q6_k", "q6_k", False), ("q8_0", "q8_0", False), ("f16", "f16", False),
+         ("q3_k_s", "q3_k_s", False), ("q3_k_m", "q3_k_m", False), ("q3_k_l", "q3_k_l", False), ("q2_k", "q2_k", False),
+         ("q5_k_s", "q5_k_s", False)]
 
 
 def machine() -> str:
