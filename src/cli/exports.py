@@ -20,14 +20,16 @@ RUN_CONFIG = "config.yaml"          # what makes a directory a run (evaluation.t
 
 @click.command("export")
 @click.argument("source")
-@click.option("--format", "fmt", required=True, type=click.Choice(["merged", "gguf", "ollama", "mlx"]),
+@click.option("--format", "fmt", required=True, type=click.Choice(["merged", "gguf", "ollama", "mlx", "peft"]),
               help="merged: plain safetensors; gguf: one llama.cpp file; ollama: the GGUF and a Modelfile; "
-                   "mlx: an mlx-lm model directory.")
+                   "mlx: an mlx-lm model directory; peft: the adapter (PEFT and mlx-lm layouts), with the base "
+                   "it trained on where training changed it (LoftQ's iterations).")
 @click.option("--out", "out_dir", default=None, type=click.Path(),
               help="The directory to write (default: <run>/export/<format>[-<quant>] for a run directory, "
                    "else ./export-<name>-<format>[-<quant>]).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
-              help="merged and mlx: weight precision (default bf16).")
+              help="merged and mlx: weight precision (default bf16); peft: a changed base's (default: the "
+                   "checkpoint's).")
 @click.option("--quant", default=None,
               help="gguf, ollama: q4_k_m, q5_k_m, q6_k, q4_k_s, q5_k_s, q3_k_s/m/l, q2_k (K-quants as "
                    "llama-quantize writes them, no llama.cpp needed), q8_0, q4_0, bf16, f16, f32 "
@@ -55,7 +57,7 @@ RUN_CONFIG = "config.yaml"          # what makes a directory a run (evaluation.t
 @handle_errors
 def export(source, fmt, out_dir, dtype, quant, imatrix, eval_data, eval_tokens, no_eval, base_model, chat_template,
            overwrite, trust_remote_code, debug):
-    """Export a run, adapter or model as merged safetensors, GGUF, Ollama or MLX (docs/export.md).
+    """Export a run, adapter or model as merged safetensors, GGUF, Ollama, MLX or a PEFT adapter (docs/export.md).
 
     SOURCE is a run directory, an adapter directory, a model directory, a .gguf file or a model alias.
     """
@@ -155,7 +157,9 @@ def run_config(run_dir: str, overrides, trust_remote_code: bool):
 def convert_adapter(src, dst, to, debug):
     """Convert a LoRA/DoRA adapter between PEFT's and mlx-lm's layout (lossless, no runtime needed)."""
     from ..backends.adapters import convert_adapter as convert, read_adapter
+    from ..export.peft import refuse_adapter_alone
 
+    refuse_adapter_alone(src, "convert-adapter")       # a LoftQ-iterated run's adapter needs its changed base
     out = convert(src, dst, to)
     adapter = read_adapter(out)
     click.echo(f"{src} -> {out} ({to}: {adapter.kind}, r={adapter.r}, alpha={adapter.alpha:g}, "

@@ -99,11 +99,17 @@ class Column:
         return self.base_name, self.cfg.data.chat_template, json.dumps(quant, sort_keys=True)
 
 
+def loftq_changed_base(adapter_cfg) -> bool:
+    """True when training changed the base under the adapter: LoftQ's iterations (adapter.loftq_iter > 1)
+    requantize each target, so the adapter belongs on that base, not on the checkpoint's weights."""
+    return adapter_cfg.type == "qlora" and adapter_cfg.init == "loftq" and adapter_cfg.loftq_iter > 1
+
+
 def load_trained_adapter(backend, handle, adapter_cfg, path: Path) -> None:
     """The adapter a run with `adapter_cfg` saved at `path`, on `handle` (its base loaded as training
     loaded it). After adapter.loftq_iter > 1 that base is not the checkpoint quantized again: LoftQ's
     iterations changed it, so they run again (as on resume) under the saved A, B (init_from)."""
-    if adapter_cfg.type == "qlora" and adapter_cfg.init == "loftq" and adapter_cfg.loftq_iter > 1:
+    if loftq_changed_base(adapter_cfg):
         backend.attach_adapter(handle, adapter_cfg.model_copy(update={"init_from": str(path)}))
         return
     load_adapter_any_layout(backend, handle, path)

@@ -16,7 +16,7 @@ import yaml
 from ..backends.provenance import describe_provenance
 
 CARD = "README.md"
-LIBRARIES = {"merged": "transformers", "gguf": "gguf", "ollama": "gguf", "mlx": "mlx"}
+LIBRARIES = {"merged": "transformers", "gguf": "gguf", "ollama": "gguf", "mlx": "mlx", "peft": "peft"}
 
 
 def hub_link(hub_id: str) -> str:
@@ -24,6 +24,12 @@ def hub_link(hub_id: str) -> str:
 
 
 def what_it_holds(fmt: str, record: dict) -> str:
+    if fmt == "peft":
+        peft = record.get("peft") or {}
+        base = (f", with the base it trained on in `{peft['base']}/` ({peft.get('dtype')}: the 4-bit base LoftQ's "
+                f"{peft.get('loftq_iter')} iterations left, dequantized; the adapter belongs on it, not on the "
+                "original checkpoint)") if peft.get("base") else ""
+        return f"a LoRA adapter for PEFT (and mlx-lm, in `mlx/`){base}"
     if fmt == "merged":
         return f"plain {record.get('dtype')} safetensors for transformers"
     if fmt in ("gguf", "ollama"):
@@ -37,21 +43,27 @@ def what_it_holds(fmt: str, record: dict) -> str:
     return f"an mlx-lm model directory ({mlx.get('dtype')}{bits})"
 
 
-def training_line(src) -> str | None:
+def training_line(src, fmt: str = "merged") -> str | None:
     """What was trained on the base, as the source says; None for a model exported as it is."""
     cfg = src.cfg
+    merged = ", merged into the base" if fmt != "peft" else ""
     if src.kind == "run":
         adapter = cfg.adapter.type
-        how = f"a {adapter} adapter, merged into the base" if adapter != "none" else "full fine-tuning"
+        how = f"a {adapter} adapter{merged}" if adapter != "none" else "full fine-tuning"
         return f"Fine-tuned with mudpuppy ({cfg.method}, {how}); the run is `{src.given}`."
     if src.kind == "adapter":
-        return f"The {cfg.adapter.type} adapter `{src.given}`, merged into the base."
+        return f"The {cfg.adapter.type} adapter `{src.given}`{merged}."
     if src.finetune:
         return f"A fine-tune ({src.finetune}) exported earlier by mudpuppy, written again in this format."
     return None
 
 
 def usage(fmt: str, name: str, record: dict) -> list[str]:
+    if fmt == "peft":
+        base = (record.get("peft") or {}).get("base_model_name_or_path")
+        return ["```python", "from peft import AutoPeftModelForCausalLM", "",
+                f'model = AutoPeftModelForCausalLM.from_pretrained("{name}")   # loads its base, {base}', "```", "",
+                "mlx-lm: `mlx_lm.generate --model BASE --adapter-path " f'{name}/mlx --prompt "Hello"`, BASE {base}.']
     if fmt == "merged":
         return ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
                 f'model = AutoModelForCausalLM.from_pretrained("{name}")',
@@ -102,7 +114,7 @@ def export_card(out: Path, fmt: str, src, record: dict, verb: str = "export") ->
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {name}", "",
              f"{held[0].upper()}{held[1:]}, written by `mudpuppy {verb}` from `{src.given}` ({src.describe()}).", "",
              "## Base model", "", f"Base: {named}.", ""]
-    trained = training_line(src)
+    trained = training_line(src, fmt)
     provenance = describe_provenance(base, trained=trained is not None)
     if provenance:
         lines += [provenance, ""]

@@ -25,12 +25,13 @@ from ..files import move_into
 from ..output_dir import EXPORT, write_record, writing
 from . import gguf as gguf_format
 from . import mlx as mlx_format
+from . import peft as peft_format
 from .card import CARD, export_card
 from .chat_layout import LayoutError, TurnLayout, infer_layout, turn_tokens
 from .quality import Heldout, check_eval_options, heldout_for, measure_gguf
 from .source import ExportSource, resolve_source
 
-FORMATS = ("merged", "gguf", "ollama", "mlx")
+FORMATS = ("merged", "gguf", "ollama", "mlx", "peft")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DEFAULT_QUANT = {"gguf": "f16", "ollama": "q4_k_m"}
 AUTO = "auto"          # --imatrix auto: from the run's own training data (calibrate.py)
@@ -78,6 +79,11 @@ def check_options(fmt: str, dtype: str | None, quant: str | None) -> tuple[str |
             raise MudpuppyError("--quant is for --format gguf, ollama and mlx; a merged export is plain "
                                 "16-bit or 32-bit safetensors (--dtype bf16, fp16 or fp32)")
         return dtype or "bf16", None
+    if fmt == "peft":
+        if quant is not None:
+            raise MudpuppyError("--quant is for --format gguf, ollama and mlx; --format peft writes the adapter as "
+                                "it trained (and a base it changed, at --dtype)")
+        return (DTYPES[dtype] if dtype else None), None     # None: the checkpoint's own dtype (export/peft.py)
     return dtype or "bf16", mlx_format.check_quant(quant)
 
 
@@ -141,7 +147,7 @@ def write_export(req: ExportRequest, src: ExportSource, tokenizer, layout, dtype
     staging, work = out.dir, out.scratch()
     src.dequantize_into(work, echo)
     record = write_format(req.format, src, tokenizer, layout, dtype, quant, staging, work, req.backend, echo,
-                          imatrix, heldout)
+                          imatrix, heldout, final=out.target)
     record.update(source=req.source, source_kind=src.kind, described=src.describe(), format=req.format,
                   base=src.base, finetune=src.finetune, seconds=round(time.monotonic() - started, 1))
     # The card last: it states what the format wrote (mlx_lm.convert's own, front matter only, is replaced).
@@ -175,22 +181,27 @@ def preflight(src: ExportSource, fmt: str, quant: str | None, tokenizer) -> Turn
             return None
     if fmt == "mlx":
         mlx_format.check_family(config, where)       # a family mlx-lm lacks: refused before the merge
+    if fmt == "peft":
+        peft_format.check_source(src)
     return None
 
 
 def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, staging: Path, work: Path,
-                 backend_name: str, echo, imatrix: dict | str | None = None, heldout: Heldout | None = None) -> dict:
+                 backend_name: str, echo, imatrix: dict | str | None = None, heldout: Heldout | None = None,
+                 final: Path | None = None) -> dict:
     from ..backends import create_backend
 
+    if fmt == "peft":
+        return {"peft": peft_format.write_peft_export(src, tokenizer, dtype, staging, final, work, backend_name, echo)}
     if fmt == "merged":
         echo(f"merging into plain {DTYPES[dtype]} safetensors")
-        src.merge_into(create_backend(backend_name), staging, DTYPES[dtype])
+        src.merge_into(create_backend(src.rebuilt_on(backend_name)), staging, DTYPES[dtype])
         return {"dtype": DTYPES[dtype]}
     if fmt == "mlx":
         # Through the backend even without an adapter: the directory mlx-lm reads then carries the
         # training chat template and the top-level rope_theta mlx-lm needs.
         echo("merging into float32 for mlx-lm's converter")
-        merged = src.merge_into(create_backend(backend_name), work / "merged", "float32")
+        merged = src.merge_into(create_backend(src.rebuilt_on(backend_name)), work / "merged", "float32")
         echo(f"converting with mlx_lm.convert ({DTYPES[dtype]}{', ' + quant if quant else ''})")
         converted = mlx_format.convert_to_mlx(merged, work / "mlx", dtype, quant)   # mlx-lm makes its folder
         move_into(work / "mlx", staging)
@@ -200,7 +211,10 @@ def write_format(fmt: str, src: ExportSource, tokenizer, layout, dtype, quant, s
     if model_dir is None:
         echo("merging into float32 for the GGUF writer")
         model_dir = work / "merged"
-        merged = src.merge_loaded(backend, model_dir, "float32")
+        if src.rebuilt_on(backend_name) != backend_name:      # the rest (imatrix, perplexity) reads model_dir
+            src.merge_into(create_backend(src.rebuilt_on(backend_name)), model_dir, "float32")
+        else:
+            merged = src.merge_loaded(backend, model_dir, "float32")
     if imatrix == AUTO:
         from .calibrate import collect_from_run
 

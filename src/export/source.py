@@ -129,6 +129,13 @@ class ExportSource:
             return None
         return self.model_dir()
 
+    def rebuilt_on(self, default: str) -> str:
+        """The backend that rebuilds this source's base: an MLX run's QLoRA base is MLX's own 4-bit code (and
+        after adapter.loftq_iter > 1, what MLX's iterations made of it), which torch's quantizer does not
+        reproduce, so it is rebuilt on MLX; anything else on `default`."""
+        mlx_qlora = self.kind == "run" and self.cfg.backend == "mlx" and self.cfg.adapter.type == "qlora"
+        return "mlx" if mlx_qlora and self.has_adapter else default
+
     def merge_into(self, backend, path: Path, dtype: str) -> Path:
         """The model with its adapter folded in, saved as plain safetensors at `dtype` (float32,
         bfloat16, float16) with the training tokenizer and chat template."""
