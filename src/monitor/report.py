@@ -274,7 +274,15 @@ def model_card(out: Path, cfg: dict, summary: dict, charts: list[str], plots_mis
     if cmd:
         lines += ["", "The command that produced this run:", "", "```", cmd, "```"]
     lines += ["", "## Use", ""]
-    if peft_dir:
+    loftq = cfg.get("adapter") or {}
+    if peft_dir and loftq.get("type") == "qlora" and loftq.get("init") == "loftq" and loftq.get("loftq_iter", 1) > 1:
+        # The base under the adapter is what LoftQ's iterations made of the checkpoint (export/peft.py).
+        lines += [f"The adapter trained on the 4-bit base LoftQ's {loftq['loftq_iter']} iterations made of "
+                  f"{base} (adapter.loftq_iter), not on its own weights: loaded alone on {base} it is another "
+                  "model. Export it with that base for PEFT and mlx-lm, or merged:", "", "```sh",
+                  f"mudpuppy export {out.name} --format peft     # the adapter, and the base in base/",
+                  f"mudpuppy export {out.name} --format merged   # the adapter folded in", "```"]
+    elif peft_dir:
         lines += ["```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer",
                   "", f'base = AutoModelForCausalLM.from_pretrained("{base}")',
                   f'model = PeftModel.from_pretrained(base, "{out.name}")',

@@ -97,6 +97,12 @@ def test_mudpuppy_reads_the_export_as_an_adapter_on_its_base(peft_export):
     assert column.cfg.model.base_model == str(peft_export.resolve() / "base")
 
 
+def test_the_run_s_card_says_to_export_it_with_its_base(loftq_run, lora_run):
+    card = (loftq_run / "README.md").read_text()
+    assert "--format peft" in card and "PeftModel.from_pretrained(base" not in card
+    assert "PeftModel.from_pretrained(base" in (lora_run / "README.md").read_text()
+
+
 def test_the_adapter_alone_is_refused_for_a_loftq_iterated_run(loftq_run, tmp_path):
     done = mudpuppy("convert-adapter", loftq_run, tmp_path / "alone", "--to", "mlx")
     one_error(done, "loftq_iter 2", "--format peft", "--format merged")
