@@ -170,7 +170,8 @@ def test_an_mlx_run_s_base_is_the_one_mlx_s_iterations_left(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     for args in (("run", "-c", tmp_path / "run.yaml"), ("merge", tmp_path / "run", "--dtype", "float32"),
                  ("export", tmp_path / "run", "--format", "peft", "--out", tmp_path / "peft"),
-                 ("export", tmp_path / "run", "--format", "merged", "--dtype", "fp32", "--out", tmp_path / "m")):
+                 ("export", tmp_path / "run", "--format", "merged", "--dtype", "fp32", "--out", tmp_path / "m"),
+                 ("export", tmp_path / "run", "--format", "gguf", "--quant", "f32", "--no-eval", "--out", tmp_path / "g")):
         done = mudpuppy(*args)
         assert done.exit_code == 0, done.output
     assert json.loads((tmp_path / "peft" / "export.json").read_text())["peft"]["rebuilt_by"] == "mlx"
@@ -181,3 +182,9 @@ def test_an_mlx_run_s_base_is_the_one_mlx_s_iterations_left(tmp_path):
     # `export --format merged` rebuilds that base on MLX too (torch's quantizer would give another model)
     exported = logits(AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32), IDS)
     np.testing.assert_allclose(exported, merged, atol=1e-4, rtol=0)
+    from gguf import GGUFReader
+    from safetensors.numpy import load_file
+
+    down = load_file(str(tmp_path / "run" / "merged" / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
+    tensors = {t.name: t for t in GGUFReader(str(tmp_path / "g" / "model-f32.gguf")).tensors}
+    np.testing.assert_allclose(np.asarray(tensors["blk.0.ffn_down.weight"].data), down, atol=1e-6, rtol=0)
