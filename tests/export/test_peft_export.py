@@ -188,3 +188,34 @@ def test_an_mlx_run_s_base_is_the_one_mlx_s_iterations_left(tmp_path):
     down = load_file(str(tmp_path / "run" / "merged" / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
     tensors = {t.name: t for t in GGUFReader(str(tmp_path / "g" / "model-f32.gguf")).tensors}
     np.testing.assert_allclose(np.asarray(tensors["blk.0.ffn_down.weight"].data), down, atol=1e-6, rtol=0)
+
+
+def test_the_base_is_written_in_the_checkpoint_s_dtype_or_dtype(peft_export, loftq_run, tmp_path):
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    from mudpuppy.export.peft import checkpoint_dtype
+
+    for config, expected in (({"dtype": "bfloat16"}, "bfloat16"), ({"torch_dtype": "float16"}, "float16"),
+                             ({"dtype": "float8_e4m3fn"}, "float32"), ({}, "float32")):
+        assert checkpoint_dtype(SimpleNamespace(model_config=lambda c=config: c)) == expected
+    with safe_open(str(peft_export / "base" / "model.safetensors"), "np") as f:
+        assert f.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype() == "F32"
+    done = mudpuppy("export", loftq_run, "--format", "peft", "--dtype", "bf16", "--out", tmp_path / "bf16")
+    assert done.exit_code == 0, done.output
+    with safe_open(str(tmp_path / "bf16" / "base" / "model.safetensors"), "pt") as f:
+        assert str(f.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype()) == "BF16"
+    assert json.loads((tmp_path / "bf16" / "export.json").read_text())["peft"]["dtype"] == "bfloat16"
+
+
+def test_no_room_for_the_base_is_refused_before_it_is_built(loftq_run, tmp_path, monkeypatch):
+    import shutil
+
+    import mudpuppy.export.peft as peft_export_module
+
+    monkeypatch.setattr(peft_export_module.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    one_error(mudpuppy("export", loftq_run, "--format", "peft", "--out", tmp_path / "full"),
+              "whole model", "GB free", "--out on another disk")
+    assert not (tmp_path / "full").exists()
