@@ -4,6 +4,8 @@
     gguf     one llama.cpp file written with the gguf package (no llama.cpp build)
     ollama   the GGUF beside a Modelfile whose template and stop tokens are the training template's
     mlx      an mlx-lm model directory, through mlx-lm's own converter
+    peft     the adapter (PEFT's and mlx-lm's layouts), with the base it trained on where LoftQ's iterations
+             changed it (base/)
 
     from mudpuppy.export import ExportRequest, export_model
     export_model(ExportRequest("outputs/quickstart", "gguf", "exports/qs-gguf", quant="q8_0"))
