@@ -95,8 +95,8 @@ def measure(run: Path, work: Path, eval_tokens: int, prompts: int, kinds: list[s
     if "merged (float32)" not in done:
         merged = score(backend, src.cfg.model, merged_dir, heldout, batch, asked, new_tokens)
         save({"type": "merged (float32)", "perplexity": merged["perplexity"], "scored_tokens": merged["tokens"],
-              "bytes": sum(f.stat().st_size for f in merged_dir.glob("*.safetensors")), "answers": merged["answers"],
-              "same_answers": len(asked), "exact_match": hits(merged["answers"])})
+              "bytes": sum(f.stat().st_size for f in merged_dir.glob("*.safetensors")), "answers": merged.get("answers", []),
+              "same_answers": len(asked), "exact_match": hits(merged.get("answers", []))})
         print(f"merged: perplexity {merged['perplexity']:.4f}", flush=True)
     merged_answers = next(r for r in result["rows"] if r["type"] == "merged (float32)")["answers"]
     imatrix = None
@@ -125,9 +125,9 @@ def measure(run: Path, work: Path, eval_tokens: int, prompts: int, kinds: list[s
         got = score(backend, src.cfg.model, target, heldout, batch, asked, new_tokens)
         row = {"type": label, "quant": quant, "imatrix": with_matrix, "bytes": written["bytes"],
                "tensor_types": written["tensor_types"], "write_seconds": round(seconds, 1),
-               "perplexity": got["perplexity"], "answers": got["answers"],
-               "same_answers": sum(a == b for a, b in zip(got["answers"], merged_answers)),
-               "exact_match": hits(got["answers"]), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "perplexity": got["perplexity"], "answers": got.get("answers", []),
+               "same_answers": sum(a == b for a, b in zip(got.get("answers", []), merged_answers)),
+               "exact_match": hits(got.get("answers", [])), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "load_average": [round(x, 2) for x in os.getloadavg()]}
         if theirs is not None:
             row["llama_cpp_perplexity"] = theirs["perplexity"]
