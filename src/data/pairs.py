@@ -33,7 +33,7 @@ from .examples import Example, LabeledExample, PairExample, StepExample
 from .prepared import LoadedDataset
 from .stream import RawLines
 from .store import StoreView
-from .workers import ordered_map
+from .workers import chunk_place, ordered_map
 
 
 @dataclass
@@ -225,7 +225,9 @@ def screen_records(datasets: list[LoadedDataset], workers: int = 1) -> Screening
         else:
             jobs = ((ds.name, ds.format, chunk) for chunk in ds.jobs(SCREEN_CHUNK))
             procs = workers if ds.record_count() > SCREEN_CHUNK else 1
-            bad = [b for found_here in ordered_map(screen_chunk, jobs, None, procs) for b in found_here]
+            screened = ordered_map(screen_chunk, jobs, None, procs, lambda job: chunk_place(job[0], job[2]),
+                                   "screening")
+            bad = [b for found_here in screened for b in found_here]
         for source, reason, at in bad:
             found.bad[source] = reason
             found.where.append((ds.name, at))

@@ -29,7 +29,7 @@ from .stream import RawLines
 from .templates import require_chat_template
 from .tokenize import needs_template, tokenize_records, tool_format_for
 from .tools import uses_tools
-from .workers import available_cores, ordered_map
+from .workers import available_cores, chunk_place, ordered_map
 
 # Stores this process has tokenized: a distributed run's report counts them per rank (shared.py), so a rank
 # that tokenized when it should only have mapped shows.
@@ -91,7 +91,9 @@ def write_dataset(writer: StoreWriter, ds: LoadedDataset, tokenizer, has_templat
             for chunk in ds.jobs(CHUNK))
     # Forking workers costs more than one chunk takes to tokenize: small data stays in this process.
     procs = workers if ds.record_count() > CHUNK else 1
-    for kept, lines, texts, (truncated, too_long, no_target) in ordered_map(tokenize_chunk, jobs, tokenizer, procs):
+    where = lambda job: chunk_place(ds.name, job[1])       # noqa: E731 - the chunk a dead worker was on
+    for kept, lines, texts, (truncated, too_long, no_target) in ordered_map(tokenize_chunk, jobs, tokenizer, procs,
+                                                                            where):
         writer.append(d, kept, lines, texts)
         report.truncated += truncated
         report.dropped_too_long += too_long
