@@ -86,8 +86,18 @@ def kto_items(examples: list[LabeledExample] | StoreView, sequence_len: int) -> 
     """
     build = partial(kto_item, sequence_len=sequence_len)
     if isinstance(examples, StoreView):
-        return ItemView(examples, build, planned=False)
+        return ItemView(examples, build, measure=partial(kto_lengths, sequence_len=sequence_len))
     return [build(examples, i) for i in range(len(examples))]
+
+
+def kto_lengths(view: StoreView, sequence_len: int) -> np.ndarray:
+    """`len(kto_item(view, i))` for every position of the view, from the store's arrays alone: the longer of
+    the example and its mismatched sequence (its prompt, then the previous example's completion, cut at
+    `sequence_len`)."""
+    full = view.lengths.astype(np.int64)
+    prompt = view.store.prompt_lengths()[view.index]
+    mismatched = np.minimum(prompt + np.roll(full - prompt, 1), sequence_len)
+    return np.maximum(full, mismatched)
 
 
 def pair_item(pairs, i: int) -> Item:
@@ -112,11 +122,12 @@ def kto_item(examples, i: int, sequence_len: int) -> Item:
 class ItemView(Sequence):
     """The Items of a token store's view, each made on access by `build(view, position)` (as the list
     functions above make them from a list); a slice keeps the positions, so what an item is paired with
-    (KTO) does not change. `ref` holds the reference log-probs ([len, roles], float32) once computed."""
+    (KTO) does not change. `ref` holds the reference log-probs ([len, roles], float32) once computed.
+    `measure(view)` gives every position's item length where an item is not as long as its example (KTO)."""
 
     def __init__(self, view: StoreView, build, positions: np.ndarray | None = None,
-                 ref: np.ndarray | None = None, planned: bool = True):
-        self.view, self.build, self.ref, self.planned = view, build, ref, planned
+                 ref: np.ndarray | None = None, measure=None):
+        self.view, self.build, self.ref, self.measure = view, build, ref, measure
         self.positions = np.arange(len(view), dtype=np.int64) if positions is None else positions
         self._lengths = None
 
@@ -126,7 +137,7 @@ class ItemView(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return ItemView(self.view, self.build, self.positions[i], None if self.ref is None else self.ref[i],
-                            self.planned)
+                            self.measure)
         item = self.build(self.view, int(self.positions[i]))
         if self.ref is not None:
             item.ref_logps = self.ref[i]
@@ -134,11 +145,11 @@ class ItemView(Sequence):
 
     @property
     def lengths(self) -> np.ndarray:
-        """What the Batcher plans with: the view's length array where an item is as long as its example
-        (`planned`); else (KTO's mismatched sequence) each item measured once, none kept."""
+        """What the Batcher plans with: the view's length array where an item is as long as its example, else
+        (KTO's mismatched sequence) `measure`'s, from the store's arrays: no item is built."""
         if self._lengths is None:
-            self._lengths = (self.view.lengths[self.positions] if self.planned else
-                             np.fromiter((len(self[i]) for i in range(len(self))), dtype=np.int64, count=len(self)))
+            every = self.view.lengths if self.measure is None else self.measure(self.view)
+            self._lengths = every[self.positions]
         return self._lengths
 
 
@@ -153,7 +164,7 @@ def with_reference(items: list[Item], ref_logps: np.ndarray) -> list[Item]:
     """Items carrying precomputed reference log-probs ([len(items), roles])."""
     if isinstance(items, ItemView):
         return ItemView(items.view, items.build, items.positions, np.asarray(ref_logps, dtype=np.float32),
-                        items.planned)
+                        items.measure)
     return [Item(it.sequences, it.label, np.asarray(ref, dtype=np.float32), it.source)
             for it, ref in zip(items, ref_logps)]
 

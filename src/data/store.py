@@ -44,6 +44,7 @@ ARRAYS = {"tokens": np.int32, "mask": np.bool_, "lengths": np.int32, "targets": 
 PER_TOKEN = ("tokens", "mask")
 PER_SEQUENCE = ("lengths", "targets")
 KINDS = {"example": 1, "pair": 2, "labeled": 1, "steps": 1}      # sequences per example
+PROMPT_BLOCK = 8192     # sequences per block of the mask read for `prompt_lengths`
 # Each kind's extra arrays (float64 labels: a reward score reads back exact), and how `pack` fills them.
 EXTRAS = {"labeled": {"labels": np.float64}, "steps": {"step_labels": np.bool_, "step_counts": np.int32}}
 
@@ -170,6 +171,7 @@ class TokenStore:
         if self.offsets[-1] != sizes["tokens"]:
             raise ValueError("lengths.bin does not add up to tokens.bin")
         self._records = self.folder / "records.bin"
+        self._prompts = None
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -178,6 +180,20 @@ class TokenStore:
         """A per-sequence array (lengths, targets) reduced over each example's sequences."""
         values = np.asarray(self.arrays[name])
         return values if self.roles == 1 else reduce.reduce(values.reshape(-1, self.roles), axis=1)
+
+    def prompt_lengths(self) -> np.ndarray:
+        """Per sequence, where its loss-carrying tokens start (its length where it has none): what
+        `pairs.split_completion` calls the prompt. Read from the mask map a block of sequences at a time."""
+        if self._prompts is None:
+            starts, mask = self.offsets, self.arrays["mask"]
+            out = np.empty(len(starts) - 1, dtype=np.int64)
+            for a in range(0, len(out), PROMPT_BLOCK):
+                b = min(a + PROMPT_BLOCK, len(out))
+                trained = np.flatnonzero(mask[starts[a] : starts[b]]) + starts[a]
+                first = np.append(trained, starts[b])[np.searchsorted(trained, starts[a:b])]
+                out[a:b] = np.minimum(first, starts[a + 1 : b + 1]) - starts[a:b]
+            self._prompts = out
+        return self._prompts
 
     def example(self, k: int) -> Example | PairExample | LabeledExample:
         if self.kind == "steps":

@@ -220,3 +220,33 @@ def test_prm_examples_in_the_store_are_the_lists_with_their_step_labels(make_cfg
     for _ in range(a.batches_per_epoch + 1):
         x, y = a.next_batch(), b.next_batch()
         assert np.array_equal(x.batch.labels, y.batch.labels) and np.array_equal(x.labels, y.labels)
+
+
+@pytest.mark.parametrize("sequence_len", [72, 512])
+def test_kto_item_lengths_come_from_the_store_without_building_an_item(make_cfg, tokenizer_dir, sequence_len,
+                                                                       monkeypatch):
+    """KTO's items are as long as the longer of the example and its mismatched sequence (its prompt, the
+    previous example's completion, cut at sequence_len): the lengths are the store's arrays, equal to
+    measuring every built item (the old way), on the views training uses (split, screened, sliced)."""
+    from transformers import AutoTokenizer
+
+    from mudpuppy.data import store
+
+    monkeypatch.setattr(store, "PROMPT_BLOCK", 7)       # the mask read in many blocks
+    specs = [{"path": str(SAMPLES / name)} for name in LABELED["kto"]]
+    cfg = make_cfg(specs, sequence_len=sequence_len, val_set_size=25, num_proc=1)
+    loaded = load_data(cfg, "kto")
+    data = prepare_data(cfg, AutoTokenizer.from_pretrained(str(tokenizer_dir)), loaded, method="kto", use_cache=False)
+    screened = drop_screened(data.train, screen_records(loaded.train))
+    cut = sequence_len - 24          # items cut shorter than the store's sequences: the mismatched one is cut
+    for view, limit in [(data.train, sequence_len), (data.val, sequence_len), (screened, sequence_len),
+                        (data.train, cut)]:
+        items = kto_items(view, limit)
+        measured = np.fromiter((len(items[i]) for i in range(len(items))), dtype=np.int64, count=len(items))
+        assert len(set(measured.tolist())) > 3
+        items.build = None           # building an item would fail now: the lengths must not need one
+        assert np.array_equal(items.lengths, measured)
+        part = kto_items(view, limit)[5:40]
+        assert np.array_equal(part.lengths, measured[5:40])
+    mismatched = [len(kto_items(data.train, sequence_len)[i].sequences[1]) for i in range(len(data.train))]
+    assert max(mismatched) == sequence_len or sequence_len == 512
