@@ -120,7 +120,8 @@ class StoreWriter:
         for f in (*self._files.values(), self._records):
             f.close()
         return {"kind": self.kind, "extra_sizes": self.extra_sizes, "names": self.names, "by_row": self.by_row,
-                "count": self.count, "tokens": self.tokens, "records_bytes": self._records_at, "sha256": {k: h.hexdigest() for k, h in self._hashes.items()}}
+                "count": self.count, "tokens": self.tokens, "records_bytes": self._records_at,
+                "sha256": {k: h.hexdigest() for k, h in self._hashes.items()}}
 
     def abort(self) -> None:
         for f in (*self._files.values(), self._records):
