@@ -1,8 +1,12 @@
 """Does `--imatrix auto` help Q4_K_M on a model whose weights sit on no quantization grid? (issue 41)
 
-    .venv/bin/python benchmarks/imatrix_scratch.py                       # 3 seeds, ~25 min each on 2 cores
-    .venv/bin/python benchmarks/imatrix_scratch.py --seeds 1 --steps 50  # a quick look
-    .venv/bin/python benchmarks/imatrix_scratch.py --work DIR            # keep (and resume from) DIR
+    .venv/bin/python benchmarks/imatrix_scratch.py --work DIR --paired   # 3 seeds, one after another
+    .venv/bin/python benchmarks/imatrix_scratch.py --work DIR --seeds 2  # one seed (resume: same DIR)
+    .venv/bin/python benchmarks/imatrix_scratch.py --seeds 1 --steps 20  # a quick look
+
+On 2 cores shared with other jobs (load 5-10), a seed took 24-28 min to train (100 steps, ~300k tokens) and
+15-20 min to measure; seeds in one DIR may run as concurrent processes (one per seed, each its own --seeds),
+then one run over all of them (resumed, nothing measured twice) writes the combined JSON.
 
 The quickstart's model (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF) carries Q4_1's grid in its weights
 and has a hidden size (576) that is not a multiple of 256, so most of its matrices never reach a K-quant
@@ -16,7 +20,10 @@ block. This benchmark makes the fair test with nothing downloaded:
    about one in ten held out, so the held-out set is other files than the training set;
 3. measured by `benchmarks/export_quality.py`'s `measure` (the merge, `--imatrix auto`'s collection from the
    run's own training data, the export's writer, the dequantized evaluation and llama.cpp's perplexity where
-   llama_cpp imports) at q4_k_m without and with the importance matrix, q4_0, q4_k_s, q5_k_m, q6_k and q8_0.
+   llama_cpp imports) at q4_k_m without and with the importance matrix, q4_0, q4_k_s, q5_k_m, q6_k and q8_0;
+4. with --paired, Q4_K_M written by `mudpuppy export` itself without and with `--imatrix FILE` (the matrix of
+   step 3) and scored example by example beside the merged model: each change of log-perplexity with a 95%
+   bootstrap interval over the held-out examples, to tell an effect from noise.
 
 The corpus depends on the Python version (its standard library); the JSON records which. Writes the
 per-seed rows and the medians to benchmarks/results/imatrix_scratch-<date>.json and prints a markdown table.
@@ -28,6 +35,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -165,36 +173,82 @@ def train(work: Path, corpus: Path, seed: int, steps: int) -> tuple[Path, dict]:
     return run, {"train_seconds": int(seconds.read_text()) if seconds.is_file() else None, "summary": info}
 
 
+def paired(run: Path, work: Path, eval_tokens: int, draws: int = 2000) -> dict:
+    """Whether the matrix's effect is above the noise: Q4_K_M written by `mudpuppy export` without and with
+    `--imatrix FILE` (the matrix `measure` collected as --imatrix auto does, in `work`), each dequantized and
+    scored per held-out example beside the merged model; the change of log-perplexity over all tokens, with a
+    95% bootstrap interval over the examples (the same examples in each draw for every model)."""
+    import numpy as np
+
+    from mudpuppy.backends import create_backend
+    from mudpuppy.evaluation.metrics import perplexity
+    from mudpuppy.export.quality import heldout_for, write_dequantized
+    from mudpuppy.export.source import resolve_source
+
+    saved = work / "paired.json"
+    if saved.is_file():
+        return json.loads(saved.read_text(encoding="utf-8"))
+    src = resolve_source(str(run))
+    heldout = heldout_for(src, src.load_tokenizer(), None, eval_tokens)
+    backend = create_backend("cpu")
+    sums = {}
+    for label, extra in (("merged", None), ("q4_k_m", []), ("q4_k_m + imatrix", ["--imatrix", str(work / "imatrix.gguf")])):
+        model = work / "merged"
+        if extra is not None:
+            out = work / f"cli-{label.replace(' + ', '-')}"
+            if not (out / "model-q4_k_m.gguf").is_file():
+                subprocess.run([sys.executable, "-m", "mudpuppy", "export", str(run), "--format", "gguf", "--quant",
+                                "q4_k_m", *extra, "--no-eval", "--out", str(out)], check=True, cwd=REPO)
+            shutil.rmtree(work / "paired-dequantized", ignore_errors=True)
+            model = write_dequantized(out / "model-q4_k_m.gguf", work / "merged", work / "paired-dequantized")
+        handle = backend.load_model(src.cfg.model.model_copy(update={"base_model": str(model), "tokenizer": str(model),
+                                                                     "revision": None}), "fp32")
+        sums[label] = [(m := perplexity(backend, handle, [ex], 1))["nll"] * m["tokens"] for ex in heldout.examples]
+        del handle
+    tokens = np.array([int(ex.loss_mask[1:].sum()) for ex in heldout.examples])
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(tokens), size=(draws, len(tokens)))
+    out = {"examples": len(tokens), "tokens": int(tokens.sum())}
+    for a, b in (("q4_k_m", "merged"), ("q4_k_m + imatrix", "merged"), ("q4_k_m + imatrix", "q4_k_m")):
+        diff = np.array(sums[a]) - np.array(sums[b])
+        boot = diff[picks].sum(1) / tokens[picks].sum(1)
+        out[f"{a} vs {b}"] = {"log_ppl_change": float(diff.sum() / tokens.sum()),
+                              "interval_95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
+    out["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    saved.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
 def medians(per_seed: list[dict]) -> list[dict]:
     rows = []
     for label in ["merged (float32)"] + TYPES:
-        got = [next(r for r in s["rows"] if r["type"] == label) for s in per_seed
-               if any(r["type"] == label for r in s["rows"])]
+        got = [(by[label], by["merged (float32)"]) for by in ({r["type"]: r for r in s["rows"]} for s in per_seed)
+               if label in by]
         if not got:
             continue
-        row = {"type": label, "seeds": len(got), "bytes": [r["bytes"] for r in got]}
+        row = {"type": label, "seeds": len(got), "bytes": [r["bytes"] for r, _ in got]}
         for key in ("perplexity", "llama_cpp_perplexity"):
-            vals = [r[key] for r in got if key in r]
+            vals = [r[key] for r, _ in got if key in r]
             if vals:
                 row[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "each": vals}
-        merged = [next(r for r in s["rows"] if r["type"] == "merged (float32)")["perplexity"] for s in per_seed]
-        rel = [r["perplexity"] / m - 1 for r, m in zip(got, merged)]
-        row["vs_merged"] = {"median": statistics.median(rel), "min": min(rel), "max": max(rel)}
+        rel = [r["perplexity"] / m["perplexity"] - 1 for r, m in got]
+        row["vs_merged"] = {"median": statistics.median(rel), "min": min(rel), "max": max(rel), "each": rel}
         rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    def span(d: dict | None, scale: float = 1.0, fmt: str = "{:.4f}") -> str:
-        if not d:
-            return "-"
-        mid, lo, hi = (fmt.format(d[k] * scale) for k in ("median", "min", "max"))
-        return mid if lo == hi else f"{mid} ({lo} to {hi})"
-    head = ["| type | file size | held-out perplexity, median (min to max) | vs merged | llama.cpp's perplexity |",
-            "|---|---|---|---|---|"]
-    return "\n".join(head + [f"| {r['type']} | {statistics.median(r['bytes']) / 1e6:.2f} MB | {span(r.get('perplexity'))} "
-                             f"| {span(r['vs_merged'], 100, '{:+.2f}%')} | {span(r.get('llama_cpp_perplexity'))} |"
-                             for r in rows])
+    """One line a type: its size, each seed's perplexity (llama.cpp's in parentheses) and the median change
+    against each seed's merged model (min to max)."""
+    def each(r: dict) -> str:
+        theirs = r.get("llama_cpp_perplexity", {}).get("each", [])
+        return ", ".join(f"{v:.2f}" + (f" ({theirs[i]:.2f})" if i < len(theirs) else "")
+                         for i, v in enumerate(r["perplexity"]["each"]))
+    head = ["| type | file size | held-out perplexity per seed (llama.cpp's) | vs merged: median (min to max) |",
+            "|---|---|---|---|"]
+    return "\n".join(head + [f"| {r['type']} | {statistics.median(r['bytes']) / 1e6:.2f} MB | {each(r)} | "
+                             f"{r['vs_merged']['median'] * 100:+.3f}% ({r['vs_merged']['min'] * 100:+.3f} to "
+                             f"{r['vs_merged']['max'] * 100:+.3f}) |" for r in rows])
 
 
 def imatrix_gain(per_seed: dict) -> dict:
@@ -215,6 +269,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100, help="optimizer steps of 8 packed rows of 512 tokens")
     ap.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens scored per file")
     ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--paired", action="store_true", help="also score Q4_K_M without and with the matrix per "
+                    "example (files from `mudpuppy export`): the change with a bootstrap interval")
     ap.add_argument("--work", type=Path, help="a folder kept between runs (resumable; default: a temporary one)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / f"imatrix_scratch-{date.today()}.json")
     args = ap.parse_args()
@@ -235,6 +291,9 @@ def main() -> None:
         run, info = train(work, corpus, seed, args.steps)
         measured = export_quality.measure(run, work / f"measure-seed{seed}", args.eval_tokens, 0, kinds,
                                           work / f"measure-seed{seed}.json")
+        if args.paired:
+            measured["paired"] = paired(run, work / f"measure-seed{seed}", args.eval_tokens)
+            print(f"paired: {measured['paired']}", flush=True)
         result["seeds"][str(seed)] = {**info, **measured}
         result["medians"] = medians(list(result["seeds"].values()))
         result["imatrix_gain"] = imatrix_gain(result["seeds"])
