@@ -11,11 +11,11 @@ convert_hf_to_gguf.py:
                     metadata keys; anything else, or a config the arch's graph would compute
                     differently, is refused naming the family and what to use instead
     tensor names    gguf's own TensorNameMap for the arch, never written here
-    tensor types    1-D tensors, norms and routers F32; the rest at --quant (f32, f16, bf16, q8_0,
-                    q4_0); a row length that is not a multiple of the 32-value block stays F16; in
-                    q4_0 the output matrix (token_embd when tied) is Q8_0, where llama-quantize
-                    would pick Q6_K (Q8_0 for rows not a multiple of 256)
-    K-quants        q2_k ... q6_k, q4_k_m ...: each tensor's type as llama-quantize chooses it
+    tensor types    1-D tensors, norms and routers F32; the rest at --quant (f32, f16, bf16, q8_0);
+                    a row length that is not a multiple of the 32-value block stays F16
+    K-quants, q4_0  q2_k ... q6_k, q4_k_m ..., and q4_0: each tensor's type as llama-quantize chooses it
+                    (q4_0: the output matrix, token_embd when tied, Q6_K, or Q8_0 for rows not a
+                    multiple of 256; an 8-expert model's attn_v and attn_k Q8_0)
                     (kquant_recipes.py), its blocks written by kquants.py byte-identical to
                     llama.cpp's quantizer, with an importance matrix (imatrix.py) when given one;
                     tensors in llama-quantize's order (by layer, then name)
@@ -142,16 +142,14 @@ class Planned:
         return byte_shape, np.dtype(np.uint8), math.prod(self.shape) // block * size
 
 
-def tensor_type(name: str, shape: tuple[int, ...], quant: str, output: bool):
+def tensor_type(name: str, shape: tuple[int, ...], quant: str):
     """llama.cpp's choice: norms, routers and 1-D tensors F32, a row that does not fill whole blocks F16."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
     if len(shape) <= 1 or name.endswith("_norm.weight") or ".ffn_gate_inp." in name or not name.endswith(".weight"):
         return T.F32
-    qtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}[quant]
-    if qtype == T.Q4_0 and output:
-        qtype = T.Q8_0
-    if qtype in (T.Q8_0, T.Q4_0) and shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+    qtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0}[quant]
+    if qtype == T.Q8_0 and shape[-1] % GGML_QUANT_SIZES[qtype][0]:
         qtype = T.F16
     return qtype
 
@@ -256,11 +254,10 @@ def plan_tensors(config: dict, family: Family, stored: dict[str, StoredTensor], 
         kind = target.split(".")[-2]
         rows = heads.get(kind) if family.permute_qk else None
         shift = family.norm_shift if target.endswith("norm.weight") else 0.0
-        output = target == "output.weight" or (tied and target == "token_embd.weight" and family.output != "required")
-        plan.append(Planned(target, src.shape, tensor_type(target, src.shape, quant, output),
+        plan.append(Planned(target, src.shape, tensor_type(target, src.shape, quant),
                             _transformed(src.load, rows, shift)))
         if tied and family.output == "required" and target == "token_embd.weight":
-            plan.append(Planned("output.weight", src.shape, tensor_type("output.weight", src.shape, quant, True),
+            plan.append(Planned("output.weight", src.shape, tensor_type("output.weight", src.shape, quant),
                                 src.load))
     if unmapped:
         raise MudpuppyError(f"{where}: tensors with no GGUF name for {family.arch.lower()}: "
@@ -344,7 +341,7 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
     if imatrix is not None and quant not in K_QUANTS:
         raise MudpuppyError(f"--imatrix weights K-quants ({', '.join(K_QUANTS)}); --quant {quant} does not use one")
     vocab = build_vocab(tokenizer, int(config["vocab_size"]), chat_template, eot_id)
-    if quant in K_QUANTS:
+    if quant in K_QUANTS or quant == "q4_0":     # llama-quantize's per-tensor rules (the output Q6_K in q4_0)
         plan = plan_k_quant(config, family, plan_tensors(config, family, model_tensors(model_dir), "f16", where),
                             quant, imatrix, where)
     else:

@@ -34,6 +34,9 @@ FILE_TYPES = {
     "q3_k_l": ("Q3_K", "MOSTLY_Q3_K_L"), "q4_k_s": ("Q4_K", "MOSTLY_Q4_K_S"), "q4_k_m": ("Q4_K", "MOSTLY_Q4_K_M"),
     "q5_k_s": ("Q5_K", "MOSTLY_Q5_K_S"), "q5_k_m": ("Q5_K", "MOSTLY_Q5_K_M"), "q6_k": ("Q6_K", "MOSTLY_Q6_K"),
 }
+# the file types whose tensors take these rules: the K-quants, and q4_0, whose output matrix llama-quantize
+# makes Q6_K (Q8_0 where its rows are not a multiple of 256) and whose 8-expert attn_v/attn_k Q8_0
+RECIPES = {**FILE_TYPES, "q4_0": ("Q4_0", "MOSTLY_Q4_0")}
 BLOCK_SIZE = {"Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
               "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "F16": 1, "F32": 1}
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}   # :409-415
@@ -101,7 +104,7 @@ class Recipe:
 
     def __init__(self, ftype: str, model: ModelInfo, names: list[str]):
         self.ftype, self.model = ftype, model
-        self.default = FILE_TYPES[ftype][0]
+        self.default = RECIPES[ftype][0]
         cats = [category(n) for n in names]
         self.n_attention_wv = sum(c in ("attn_v", "attn_qkv", "attn_kv_b") for c in cats)
         self.tied = "output" not in cats
@@ -181,8 +184,8 @@ def sort_key(name: str) -> tuple[int, str]:
 def tensor_types(tensors: dict[str, tuple[int, ...]], ftype: str, model: ModelInfo) -> dict[str, str | None]:
     """GGUF tensor name -> ggml type name for the file type `ftype` (q4_k_m, ...), None where llama.cpp
     keeps the tensor's own type. `tensors` maps names to shapes in numpy order ([E,] rows, cols)."""
-    if ftype not in FILE_TYPES:
-        raise ValueError(f"{ftype}: not a K-quant file type ({', '.join(FILE_TYPES)})")
+    if ftype not in RECIPES:
+        raise ValueError(f"{ftype}: not a file type llama-quantize's rules apply to ({', '.join(RECIPES)})")
     names = sorted(tensors, key=sort_key)
     recipe = Recipe(ftype, model, names)
     out: dict[str, str | None] = {}

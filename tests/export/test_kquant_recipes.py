@@ -67,6 +67,23 @@ def test_llama_every_file_type(ftype, attn_v, ffn_down, attn_output, rest):
     assert set(by_layer(types, "attn_q", 8) + by_layer(types, "ffn_up", 8)) == {rest}
 
 
+def test_q4_0_takes_llama_quantizes_output_and_expert_rules():
+    """llama-quantize's Q4_0 is not Q4_0 throughout: the output matrix is Q6_K (:490-510; the tied
+    embedding when there is no output), Q8_0 where rows are no multiple of 256 (SmolLM2's 576, :409-415),
+    and an 8-expert model's attn_v and attn_k Q8_0; everything else Q4_0."""
+    types = tensor_types(llama_like(8, 512, 1024, 128, tied=False), "q4_0", LLAMA8)
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_0"
+    assert {t for n, t in types.items() if n.startswith("blk.") and t is not None} == {"Q4_0"}
+    tied = tensor_types(llama_like(8, 576, 1536, 64, tied=True), "q4_0", LLAMA8)
+    assert tied["token_embd.weight"] == "Q8_0"
+    assert {t for n, t in tied.items() if n.startswith("blk.") and t is not None} == {"Q4_0"}
+    shapes = llama_like(8, 512, 1024, 128, tied=True)
+    moe = tensor_types(shapes, "q4_0", ModelInfo("llama", 8, 8, 2, n_expert=8))
+    assert moe["token_embd.weight"] == "Q6_K"
+    assert set(by_layer(moe, "attn_v", 8) + by_layer(moe, "attn_k", 8)) == {"Q8_0"}
+    assert set(by_layer(moe, "attn_output", 8) + by_layer(moe, "ffn_down", 8)) == {"Q4_0"}
+
+
 def test_qwen_shaped_rows_fall_back():
     """Qwen2.5-0.5B's shape: hidden 896 is no multiple of 256, so Q4_K rows become Q5_0, the Q6_K ones
     Q8_0 (:409-415), and the tied embedding Q8_0 (:500-502); ffn_down's rows (4864) keep K-quants."""

@@ -44,7 +44,7 @@ def differences(ours, theirs) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("quant", K_QUANTS)
+@pytest.mark.parametrize("quant", K_QUANTS + ["q4_0"])      # q4_0: its output Q6_K by the same rules
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_k_quant_file_equals_llama_cpp_quantizer(models, family, quant, tmp_path):
     ours = models.gguf(family, quant)
