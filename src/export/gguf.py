@@ -40,7 +40,7 @@ from .gguf_families import (FAMILIES, Family, head_dim, notes_of, problems_of, r
                             written_problems)
 from .gguf_vocab import Vocab, build_vocab
 from .kquant_plan import plan_k_quant
-from .kquant_recipes import FILE_TYPES as K_FILE_TYPES
+from .kquant_recipes import FILE_TYPES as K_FILE_TYPES, RECIPES
 from .tensors import StoredTensor, model_tensors
 
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -341,7 +341,7 @@ def write_gguf(model_dir: Path, tokenizer, chat_template: str | None, quant: str
     if imatrix is not None and quant not in K_QUANTS:
         raise MudpuppyError(f"--imatrix weights K-quants ({', '.join(K_QUANTS)}); --quant {quant} does not use one")
     vocab = build_vocab(tokenizer, int(config["vocab_size"]), chat_template, eot_id)
-    if quant in K_QUANTS or quant == "q4_0":     # llama-quantize's per-tensor rules (the output Q6_K in q4_0)
+    if quant in RECIPES:            # llama-quantize's per-tensor rules: the K-quants, and q4_0's output Q6_K
         plan = plan_k_quant(config, family, plan_tensors(config, family, model_tensors(model_dir), "f16", where),
                             quant, imatrix, where)
     else:
